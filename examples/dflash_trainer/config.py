@@ -1,0 +1,148 @@
+"""The one validated configuration of the DFlash example trainer.
+
+Defaults are small so a whole run (embedded tiny target, embedded data) finishes in minutes on a
+CPU; the paper's values are noted next to each field where they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
+_DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+_COMPILE_MODES = ("auto", "eager", "reduce-overhead")
+_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class TrainConfig:
+    target: str | None = None  # local HF model dir; None = the embedded tiny default target
+    data: str | None = None  # JSONL path; None = the embedded default data
+    out_dir: str = "runs/dflash"
+    targets: int = 5  # target worker threads (producers of features)
+    drafters: int = 3  # drafter worker threads (consumers, one optimiser step each)
+    devices: str | None = None  # "cuda:0,cuda:1" or "cpu"; None = all visible GPUs, else cpu
+    seq_len: int = 256  # paper: 3072
+    block_size: int = 8  # paper: 16
+    num_anchors: int = 16  # paper: 512
+    num_draft_layers: int = 2  # paper: 5
+    num_target_layers_used: int | None = None  # None = num_draft_layers (the paper's n)
+    gamma: float | None = None  # None = paper value for block_size (see gamma_value)
+    batch_size: int = 4  # samples per drafter step
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    epochs: int = 1  # paper: 6
+    max_steps: int | None = None  # None = as many steps as `epochs` takes
+    eval_every: int = 50  # 0 disables periodic eval
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 64
+    checkpoint_every: int = 100  # 0 disables periodic checkpoints
+    resume: bool = False
+    seed: int = 0
+    compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    channel_capacity: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("targets", "drafters", "seq_len", "num_anchors", "num_draft_layers",
+                     "batch_size", "epochs", "eval_prompts", "eval_max_new_tokens",
+                     "channel_capacity"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        # Block size 1 has no draft token to train: every output would be the anchor itself.
+        _check_int("block_size", self.block_size, minimum=2)
+        if self.num_target_layers_used is not None:
+            _check_int("num_target_layers_used", self.num_target_layers_used, minimum=1)
+        if self.max_steps is not None:
+            _check_int("max_steps", self.max_steps, minimum=1)
+        _check_float("lr", self.lr, low=0.0, low_open=True)
+        _check_float("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0)
+        _check_float("grad_clip", self.grad_clip, low=0.0, low_open=True)
+        _check_float("weight_decay", self.weight_decay, low=0.0)
+        if self.gamma is not None:
+            _check_float("gamma", self.gamma, low=0.0, low_open=True)
+        self.gamma_value  # raises now, not mid-run, if block_size has no default gamma
+        _check_choice("compile", self.compile, _COMPILE_MODES)
+        _check_choice("dtype", self.dtype, _DTYPES)
+        if not isinstance(self.resume, bool):
+            raise ValueError(f"resume must be true or false, got {self.resume!r}")
+        for name in ("target", "data", "devices"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
+            raise ValueError(f"out_dir must be a non-empty path, got {self.out_dir!r}")
+        self.device_list  # validates the comma list
+
+    @property
+    def num_feature_layers(self) -> int:
+        """The paper's n: how many target layers feed the drafter."""
+        if self.num_target_layers_used is None:
+            return self.num_draft_layers
+        return self.num_target_layers_used
+
+    @property
+    def gamma_value(self) -> float:
+        if self.gamma is not None:
+            return float(self.gamma)
+        if self.block_size not in _DEFAULT_GAMMA:
+            raise ValueError(
+                f"no default loss decay gamma for block_size={self.block_size} (the paper gives "
+                f"{_DEFAULT_GAMMA}); pass gamma explicitly, e.g. gamma=block_size/2"
+            )
+        return _DEFAULT_GAMMA[self.block_size]
+
+    @property
+    def device_list(self) -> list[str]:
+        """`devices` split on commas; empty when None (the entry point picks)."""
+        if self.devices is None:
+            return []
+        items = [d.strip() for d in self.devices.split(",")]
+        if any(not d for d in items):
+            raise ValueError(
+                f"devices={self.devices!r} has an empty entry; write e.g. 'cuda:0,cuda:1' or 'cpu'"
+            )
+        return items
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TrainConfig keys {unknown}; valid keys are {sorted(known)}"
+            )
+        return cls(**values)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    # bool is an int subclass; `epochs=True` is almost certainly a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: Any, *, low: float, high: float | None = None,
+                 low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value >= high):
+        bound = f"> {low}" if low_open else f">= {low}"
+        if high is not None:
+            bound += f" and < {high}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

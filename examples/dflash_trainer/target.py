@@ -1,0 +1,163 @@
+"""Frozen target LLM adapter: selected hidden states as drafter features, and greedy logits.
+
+Supports HF causal LMs with the Qwen3/Llama layout (`model.model.embed_tokens`,
+`model.model.layers`, `model.lm_head`), loaded from a local directory only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model import target_layer_ids
+
+logger = logging.getLogger(__name__)
+
+
+class TargetModel:
+    """Wraps a frozen HF causal LM. Pass `mask_token_id` when there is no tokenizer."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, *, num_feature_layers: int,
+                 mask_token_id: int | None = None) -> None:
+        _check_layout(model)
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.layer_ids = target_layer_ids(len(model.model.layers), num_feature_layers)
+        if mask_token_id is None and tokenizer is not None:
+            mask_token_id = choose_mask_token_id(model, tokenizer)
+        if mask_token_id is not None and not 0 <= mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={mask_token_id} is not a row of the target's embedding matrix "
+                f"(0..{self.vocab_size - 1}); pick an existing unused row"
+            )
+        self._mask_token_id = mask_token_id
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, num_feature_layers: int,
+                        dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None) -> TargetModel:
+        """Load model and tokenizer from a local HF directory; never touches the network."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"target directory {path} does not exist; pass a local HF model directory "
+                f"(with config.json and weights) or leave target unset for the embedded default"
+            )
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path / 'config.json'} is missing; the target must be a HF model directory "
+                f"as written by save_pretrained()"
+            )
+        kwargs = {"local_files_only": True}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if device is not None:
+            model = model.to(device)
+        return cls(model, tokenizer, num_feature_layers=num_feature_layers)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.lm_head
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.embedding_dim
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding matrix (may exceed the tokenizer's length)."""
+        return self.embed_tokens.num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def mask_token_id(self) -> int:
+        if self._mask_token_id is None:
+            raise ValueError(
+                "the target has no tokenizer to choose a mask token from; pass mask_token_id= "
+                "(an existing embedding row that the data never uses)"
+            )
+        return self._mask_token_id
+
+    # no_grad, not inference_mode: inference tensors cannot be saved for the drafter's backward.
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B,S] -> concat of hidden_states[id+1] over layer_ids, [B,S,n*H]."""
+        out = self.model.model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               output_hidden_states=True, use_cache=False)
+        return self._select(out.hidden_states)
+
+    @torch.no_grad()
+    def logits_and_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B,S] -> (logits [B,S,V], features [B,S,n*H]); used by eval."""
+        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         output_hidden_states=True, use_cache=False)
+        return out.logits, self._select(out.hidden_states)
+
+    def _select(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # Index 0 of hidden_states is the embedding output, so layer i's output is i + 1.
+        return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+
+def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:
+    """An existing embedding row the data never uses (the paper never resizes embeddings).
+
+    Preference: the first row past the tokenizer's vocabulary (padding rows, e.g. Qwen3's
+    151669); else a reserved special token; else another special token that is not
+    bos/eos/pad/unk and not used by the chat template.
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    if rows > len(tokenizer):
+        return len(tokenizer)
+    taken = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    specials = {i: str(t) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(t, "special", False)}
+    for i in getattr(tokenizer, "all_special_ids", []):
+        specials.setdefault(i, tokenizer.convert_ids_to_tokens(i))
+    candidates = sorted((i, text) for i, text in specials.items() if i not in taken and i < rows)
+    for i, text in candidates:
+        if "reserved" in text.lower():
+            return i
+    for i, text in candidates:
+        if text not in template:
+            logger.info("using special token %r (id %d) as the DFlash mask token", text, i)
+            return i
+    raise ValueError(
+        f"no unused embedding row for the mask token: the embedding has {rows} rows, the "
+        f"tokenizer uses all of them, and it has no spare special token; pass mask_token_id "
+        f"explicitly (the paper never adds rows)"
+    )
+
+
+def _check_layout(model: nn.Module) -> None:
+    inner = getattr(model, "model", None)
+    missing = [name for name, ok in (
+        ("model.model", inner is not None),
+        ("model.model.embed_tokens", hasattr(inner, "embed_tokens")),
+        ("model.model.layers", hasattr(inner, "layers")),
+        ("model.lm_head", hasattr(model, "lm_head")),
+    ) if not ok]
+    if missing:
+        raise ValueError(
+            f"unsupported target {type(model).__name__}: missing {missing}; DFlash needs a HF "
+            f"causal LM with the Qwen3/Llama layout (e.g. Qwen3ForCausalLM, LlamaForCausalLM)"
+        )

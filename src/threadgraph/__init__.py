@@ -1,0 +1,36 @@
+"""threadgraph: torch.compile(mode="reduce-overhead") in Python worker threads.
+
+Public API (everything else is private and may change):
+
+- ``ensure_cudagraph_tls()``: give the calling thread its CUDAGraph Trees state.
+- ``install()`` / ``uninstall()`` / ``installed()``: the global shim for plain threads.
+- ``patches()``: which patches exist, what they fix, which are active.
+- ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups.
+- ``released()``: give up the device gate's slots around a blocking wait.
+"""
+
+from ._errors import GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
+from ._gate import released
+from ._patches import install, installed, patches, uninstall
+from ._stats import StepStats
+from ._tls import ensure_cudagraph_tls
+from ._worker import CompiledWorkerThread, WorkerGroup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompiledWorkerThread",
+    "GateTimeout",
+    "StepStats",
+    "ThreadgraphError",
+    "ThreadgraphWarning",
+    "UnsupportedTorchError",
+    "WorkerError",
+    "WorkerGroup",
+    "ensure_cudagraph_tls",
+    "install",
+    "installed",
+    "patches",
+    "released",
+    "uninstall",
+]

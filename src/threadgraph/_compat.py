@@ -1,0 +1,145 @@
+"""Every torch-version special case lives here, answered by feature detection.
+
+Nothing else in threadgraph looks at ``torch.__version__``; it asks these functions.
+They are cheap and re-evaluated on each call (except the stash probe, which is a
+property of the C++ build), so tests can swap in the module behaviour of an older
+release and see the shim react.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ._errors import UnsupportedTorchError
+
+# (import path, attribute) pairs threadgraph relies on; a missing one is reported by name.
+REQUIRED_SYMBOLS = (
+    ("torch._inductor.cudagraph_trees", "get_obj"),
+    ("torch._inductor.cudagraph_trees", "get_container"),
+    ("torch._inductor.cudagraph_trees", "mark_step_begin"),
+    ("torch._inductor.cudagraph_trees", "MarkStepBox"),
+    ("torch._inductor.cudagraph_trees", "CUDAGraphTreeManager"),
+    ("torch._inductor.compile_fx", "cudagraphify"),
+    ("torch._dynamo.eval_frame", "install_generation_tagging_init"),
+    ("torch._C", "_stash_obj_in_tls"),
+    ("torch._C", "_is_key_in_tls"),
+    ("torch._C", "_get_obj_in_tls"),
+)
+
+
+def require(module_path: str, attribute: str) -> Any:
+    """Return ``module.attribute`` or raise an error that names the missing symbol."""
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise UnsupportedTorchError(
+            f"threadgraph needs {module_path} (torch {torch.__version__} does not provide it: {exc}); "
+            "install torch>=2.1 with CUDAGraph Trees"
+        ) from exc
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise UnsupportedTorchError(
+            f"threadgraph needs {module_path}.{attribute}, which torch {torch.__version__} lacks; "
+            "this torch is not supported (threadgraph supports 2.1 - 2.15), please report it"
+        ) from None
+
+
+def check_supported() -> None:
+    """Raise UnsupportedTorchError naming the first missing symbol, if any."""
+    for module_path, attribute in REQUIRED_SYMBOLS:
+        require(module_path, attribute)
+
+
+def cudagraph_trees() -> ModuleType:
+    return importlib.import_module("torch._inductor.cudagraph_trees")
+
+
+def get_obj_asserts() -> bool:
+    """True on releases (2.1 - 2.12) whose ``get_obj`` asserts in a thread without TLS.
+
+    2.13+ added ``_initialize_tls`` and calls it lazily from ``get_obj``.
+    """
+    return not hasattr(cudagraph_trees(), "_initialize_tls")
+
+
+def has_graph_capture_lock() -> bool:
+    """2.13+ serialises tree-manager init, warmup and recording with a module lock."""
+    return hasattr(cudagraph_trees(), "graph_capture_lock")
+
+
+def cudagraphify_state_is_thread_local() -> bool:
+    """2.13+ keeps the per-graph cudagraphify state in a threading.local (keyed by the
+    executing thread, so backward on autograd's device thread sticks to one worker);
+    earlier releases keep one closure shared by every thread."""
+    import inspect
+
+    try:
+        source = inspect.getsource(require("torch._inductor.compile_fx", "cudagraphify"))
+    except (OSError, TypeError):
+        return False
+    return "threading.local" in source
+
+
+def has_remove_obj_from_tls() -> bool:
+    return hasattr(torch._C, "_remove_obj_from_tls")
+
+
+@functools.lru_cache(maxsize=None)
+def stash_takes_reference() -> bool:
+    """Whether ``torch._C._stash_obj_in_tls`` takes its own reference to the object.
+
+    On 2.11 it steals one it was never given (a use-after-free once the caller drops its
+    reference, hazard 4). Measured once with the refcount of a throwaway object under a
+    throwaway key, which is then removed or overwritten with an owned object.
+    """
+    probe = object()
+    before = sys.getrefcount(probe)
+    key = "threadgraph.stash_probe"
+    torch._C._stash_obj_in_tls(key, probe)
+    takes = sys.getrefcount(probe) > before
+    if not takes:
+        # The stash now owns a reference nobody gave it: give it one.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))
+    if has_remove_obj_from_tls():
+        torch._C._remove_obj_from_tls(key)
+    return takes
+
+
+def stash(key: str, obj: Any) -> None:
+    """Store ``obj`` in the C++ thread-local Python-object stash, reference-correct on
+    every release. The stash travels with ThreadLocalState into autograd's threads."""
+    if not stash_takes_reference():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    torch._C._stash_obj_in_tls(key, obj)
+
+
+def unstash(key: str) -> bool:
+    """Remove ``key`` from this thread's stash where torch can (2.13+); returns whether it did.
+
+    Without ``_remove_obj_from_tls`` the entry lives until the thread exits, which is
+    harmless because :func:`stash` gave it a reference of its own.
+    """
+    if has_remove_obj_from_tls() and torch._C._is_key_in_tls(key):
+        torch._C._remove_obj_from_tls(key)
+        return True
+    return False
+
+
+def hazards() -> dict[str, bool]:
+    """Which of the documented hazards this torch has, by feature detection."""
+    return {
+        "tls_assert (#123177: get_obj asserts in plain threads)": get_obj_asserts(),
+        "stash_steals_reference (2.11 use-after-free)": not stash_takes_reference(),
+        "global_generation (mark-step/generation counters are process-wide)": True,
+        "device_wide_capture (other threads' eager work breaks a capture)": True,
+        "shared_cudagraphify_state (compiled graph bound to one thread's manager)": True,
+        "capture_lock_present (upstream orders tree-manager ops only)": has_graph_capture_lock(),
+    }

@@ -1,0 +1,33 @@
+"""Exceptions and the warning category of threadgraph."""
+
+from __future__ import annotations
+
+
+class ThreadgraphError(RuntimeError):
+    """Base class of threadgraph's errors."""
+
+
+class UnsupportedTorchError(ThreadgraphError):
+    """This torch lacks a symbol threadgraph needs; the message names it."""
+
+
+class ThreadgraphWarning(UserWarning):
+    """Warnings issued by threadgraph (messages start with ``threadgraph:``)."""
+
+
+class WorkerError(ThreadgraphError):
+    """A worker thread failed; raised from ``join()`` with the worker's exception as cause."""
+
+    def __init__(self, message: str, *, thread_name: str, device: str | None) -> None:
+        super().__init__(message)
+        self.thread_name = thread_name
+        self.device = device
+
+
+class GateTimeout(ThreadgraphError):
+    """A device gate could not be acquired in time; the message says who holds it."""
+
+    def __init__(self, message: str, *, thread_name: str, device: str) -> None:
+        super().__init__(message)
+        self.thread_name = thread_name
+        self.device = device

@@ -1,0 +1,198 @@
+"""The per-device capture protocol: shared slots for ordinary CUDA work, exclusive for capture.
+
+Invariant: while any thread holds a device's gate exclusively (tree-manager init, eager
+warmup in the graph pool, recording), no worker thread runs its own CUDA work on that
+device. CUDA capture is device-wide in effect (the Philox generator, device synchronisation,
+the allocator's pool state: hazard 2), so work from other threads breaks it.
+
+- A worker holds a *shared* slot on its device while its own thread does CUDA work
+  (``CompiledWorkerThread`` holds one around ``setup()`` and each ``step()``).
+- Capture paths take the gate *exclusively*: they wait until no shared slot is held.
+  Waiting writers block new shared slots, so captures are not starved.
+- A thread that holds shared slots and wants exclusive gives its slots up first (an upgrade),
+  and gets them back without waiting when its exclusive section ends.
+- A worker gives all its slots up while it waits in ``torch.autograd.backward``/``grad`` and
+  in any ``released()`` block (blocking queue waits). Its backward, and any capture inside it,
+  runs on autograd's device thread, which holds no slots.
+
+Why this cannot deadlock: an exclusive waiter waits only for shared holders. A shared holder
+only ever waits for (a) the GPU, (b) an exclusive holder (by upgrading, after dropping its own
+slots), or (c) something else while in ``released()``/backward, where it holds nothing. So no
+shared holder waits for anything that waits for it. An exclusive holder does not wait on other
+workers (capture needs no other thread), except on the autograd device thread, which is in
+backward on behalf of a worker that holds nothing. Waits are bounded by ``timeout``; on expiry
+``GateTimeout`` names the holders instead of hanging.
+
+Work in threads threadgraph does not know about (no worker, no ``shared()``) is not ordered
+by the gate: that is the user's responsibility.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Iterator
+
+from ._errors import GateTimeout
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("THREADGRAPH_GATE_TIMEOUT", "600"))
+
+
+class DeviceGate:
+    def __init__(self, device: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.device = device
+        self.timeout = timeout
+        self._cond = threading.Condition(threading.Lock())
+        self._shared: dict[int, int] = {}  # thread ident -> slot depth
+        self._names: dict[int, str] = {}
+        self._owner: int | None = None
+        self._owner_depth = 0
+        self._owner_saved_shared = 0
+        self._exclusive_waiting = 0
+
+    # -- shared -------------------------------------------------------------------------
+    def acquire_shared(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._shared.get(me) or self._owner == me:
+                self._shared[me] = self._shared.get(me, 0) + 1
+                return
+            self._wait(lambda: self._owner is None and self._exclusive_waiting == 0, "a shared slot")
+            self._shared[me] = 1
+            self._names[me] = threading.current_thread().name
+
+    def release_shared(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            depth = self._shared.get(me, 0)
+            if depth <= 0:
+                raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases a shared slot of {self.device} it does not hold")
+            if depth == 1:
+                del self._shared[me]
+                self._cond.notify_all()
+            else:
+                self._shared[me] = depth - 1
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        self.acquire_shared()
+        try:
+            yield
+        finally:
+            self.release_shared()
+
+    def drop_shared(self) -> int:
+        """Give up all of this thread's slots at once; returns the depth to give back later."""
+        me = threading.get_ident()
+        with self._cond:
+            depth = self._shared.pop(me, 0)
+            if depth:
+                self._cond.notify_all()
+            return depth
+
+    def restore_shared(self, depth: int) -> None:
+        if depth:
+            self.acquire_shared()
+            with self._cond:
+                self._shared[threading.get_ident()] += depth - 1
+
+    # -- exclusive ----------------------------------------------------------------------
+    def acquire_exclusive(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._owner_depth += 1
+                return
+            saved = self._shared.pop(me, 0)  # upgrade: never wait while holding a slot
+            if saved:
+                self._cond.notify_all()
+            self._exclusive_waiting += 1
+            try:
+                self._wait(lambda: self._owner is None and not self._shared, "exclusive use")
+            except BaseException:
+                if saved:
+                    self._shared[me] = saved
+                raise
+            finally:
+                self._exclusive_waiting -= 1
+            self._owner, self._owner_depth, self._owner_saved_shared = me, 1, saved
+            self._names[me] = threading.current_thread().name
+
+    def release_exclusive(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases {self.device} exclusively without owning it")
+            self._owner_depth -= 1
+            if self._owner_depth == 0:
+                self._owner = None
+                if self._owner_saved_shared:
+                    self._shared[me] = self._owner_saved_shared
+                self._owner_saved_shared = 0
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.acquire_exclusive()
+        try:
+            yield
+        finally:
+            self.release_exclusive()
+
+    # -- introspection ------------------------------------------------------------------
+    def holders(self) -> dict[str, object]:
+        with self._cond:
+            return {
+                "exclusive": self._names.get(self._owner) if self._owner is not None else None,
+                "shared": sorted(self._names.get(t, str(t)) for t in self._shared),
+                "exclusive_waiting": self._exclusive_waiting,
+            }
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                holders = {
+                    "exclusive": self._names.get(self._owner) if self._owner is not None else None,
+                    "shared": sorted(self._names.get(t, str(t)) for t in self._shared),
+                }
+                name = threading.current_thread().name
+                raise GateTimeout(
+                    f"threadgraph: thread {name} waited {self.timeout:.0f} s for {what} of {self.device}; "
+                    f"held by {holders}. A worker probably blocks (a queue wait, a join) while holding "
+                    "its slot: wrap such waits in threadgraph.released(), or raise THREADGRAPH_GATE_TIMEOUT",
+                    thread_name=name,
+                    device=self.device,
+                )
+            self._cond.wait(left)
+
+
+_gates: dict[str, DeviceGate] = {}
+_gates_lock = threading.Lock()
+
+
+def gate_for(device: str) -> DeviceGate:
+    with _gates_lock:
+        gate = _gates.get(device)
+        if gate is None:
+            gate = _gates[device] = DeviceGate(device)
+        return gate
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """Give up the calling thread's shared slots on every device for the duration of a block.
+
+    Use it around waits that may depend on another worker (queues, events, joins).
+    """
+    with _gates_lock:
+        gates = list(_gates.values())
+    held = [(gate, gate.drop_shared()) for gate in gates]
+    try:
+        yield
+    finally:
+        for gate, depth in held:
+            gate.restore_shared(depth)

@@ -1,0 +1,176 @@
+"""The global shim: named patches of CUDAGraph Trees, applied with ``install()``.
+
+Each patch names the upstream symbol it wraps, the hazard it fixes (numbers refer to
+torch-threading-hazards.md, mirrored in the README), the releases it was checked on, and when
+it can go. Patches are looked up where torch looks the name up at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import _compat
+from ._gate import gate_for, released
+from ._registry import Patch, Registry
+from ._tls import current_worker, ensure_cudagraph_tls, worker_for_current_thread
+
+CHECKED = "2.11 (H200, measured), 2.13 (CPU, code + tests)"
+
+
+def _lazy_tls(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    local, attr_name = args[0], args[1]
+    if not hasattr(local, attr_name) and not torch._C._is_key_in_tls(attr_name):
+        ensure_cudagraph_tls()
+    return wrapped(*args, **kwargs)
+
+
+def _worker_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = worker_for_current_thread()
+    if state is None:
+        return wrapped(*args, **kwargs)
+    # Counts down, like upstream, to stay distinct from the generation counter.
+    state.mark_step_counter -= 1
+    return None
+
+
+def _worker_curr_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = current_worker()
+    return wrapped(*args, **kwargs) if state is None else state.current_generation()
+
+
+def _worker_user_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = current_worker()
+    return wrapped(*args, **kwargs) if state is None else state.mark_step_counter != 0
+
+
+def _worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    state = worker_for_current_thread()
+    if state is not None:
+        state.generation += 1
+    return result
+
+
+class _NoWorker:
+    """Key of the shared cudagraphify state used by threads without a worker (upstream behaviour)."""
+
+
+_NO_WORKER = _NoWorker()
+
+
+def _per_worker_cudagraphify(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # Upstream binds the recorded function, and with it one tree manager, to the first
+    # caller (<=2.12) or to the executing thread (2.13+, so every worker's backward shares
+    # autograd's device thread). Key it by the worker instead, which travels into backward.
+    per_worker: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
+    lock = threading.Lock()
+
+    def run(new_inputs: Any) -> Any:
+        key = current_worker() or _NO_WORKER
+        fn = per_worker.get(key)
+        if fn is None:
+            with lock:
+                fn = per_worker.get(key)
+                if fn is None:
+                    fn = per_worker[key] = wrapped(*args, **kwargs)
+        return fn(new_inputs)
+
+    return run
+
+
+def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:
+    index = getattr(instance, "device_index", None)
+    if index is None:  # __init__: the device index is the first argument
+        index = args[0] if args else kwargs["device_index"]
+    return f"cuda:{index}"
+
+
+def _exclusive(counter: str | None) -> Callable:
+    def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        with gate_for(_device_of(instance, args, kwargs)).exclusive():
+            state = current_worker()
+            if counter and state is not None:
+                setattr(state, counter, getattr(state, counter) + 1)
+            return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _release_slots(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    with released():
+        return wrapped(*args, **kwargs)
+
+
+_TREES = "torch._inductor.cudagraph_trees"
+_MANAGER = f"{_TREES}:CUDAGraphTreeManager"
+_GEN = "1: generation counters are process-global"
+_CAPTURE = "2: capture is device-wide; other threads' CUDA work breaks it"
+_UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15)"
+_UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15)"
+
+PATCHES = [
+    Patch("lazy_tls", f"{_TREES}:get_obj", "0: get_obj asserts in threads without TLS (#123177)",
+          "2.1 - 2.12", "torch>=2.13 everywhere (upstream initialises TLS lazily)", "pytorch/pytorch#123177, PR #184357",
+          _lazy_tls, applies=_compat.get_obj_asserts),
+    Patch("worker_mark_step", f"{_TREES}:mark_step_begin", _GEN, "2.1 - 2.15", _UNTIL_GEN, "pytorch/pytorch#123177",
+          _worker_mark_step),
+    Patch("worker_generation", f"{_MANAGER}.get_curr_generation", _GEN, "2.1 - 2.15", _UNTIL_GEN, "pytorch/pytorch#123177",
+          _worker_curr_generation),
+    Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", _GEN, "2.1 - 2.15", _UNTIL_GEN,
+          "pytorch/pytorch#123177", _worker_user_mark_step),
+    Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", _GEN, "2.1 - 2.15",
+          _UNTIL_GEN, "pytorch/pytorch#123177", _worker_generation_bump),
+    Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify",
+          "10: one compiled graph's cudagraph state is bound to one thread's tree manager", "2.1 - 2.15",
+          "upstream keys cudagraphify state by a TLS object that travels into backward", "pytorch/pytorch#123177",
+          _per_worker_cudagraphify),
+    Patch("gate_manager_init", f"{_MANAGER}.__init__", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
+          _exclusive(None)),
+    Patch("gate_warmup", f"{_MANAGER}.run_eager", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
+          _exclusive("warmups")),
+    Patch("gate_pool_checkpoint", f"{_MANAGER}.apply_checkpoint_execution_state_in_allocator", _CAPTURE, "2.1 - 2.15",
+          _UNTIL_CAPTURE, "pytorch/pytorch#123177", _exclusive(None)),
+    Patch("gate_record", f"{_MANAGER}.record_function", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
+          _exclusive("captures")),
+    Patch("gate_release_in_backward", "torch.autograd:backward",
+          "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
+          "never (inherent to autograd's device threads)", "-", _release_slots),
+    Patch("gate_release_in_grad", "torch.autograd:grad",
+          "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
+          "never (inherent to autograd's device threads)", "-", _release_slots),
+]
+
+_registry = Registry(PATCHES)
+
+
+def install() -> list[str]:
+    """Apply threadgraph's patches (idempotent). Returns the names applied by this call."""
+    _compat.check_supported()
+    return _registry.install()
+
+
+def uninstall() -> list[str]:
+    """Restore the exact original objects. Returns the names removed."""
+    return _registry.uninstall()
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """``install()`` for the duration of a block; uninstalls only what this block installed."""
+    was_active = {p["name"] for p in _registry.describe() if p["active"]}
+    install()
+    try:
+        yield
+    finally:
+        if not was_active:
+            uninstall()
+
+
+def patches() -> list[dict[str, Any]]:
+    """Every patch with its target, hazard, releases, removal condition and whether it is active."""
+    return _registry.describe()

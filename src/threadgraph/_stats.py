@@ -1,0 +1,89 @@
+"""Per-worker step timing: CUDA events on the worker's stream, resolved without host syncs."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What a worker measured. Step times exclude the warmup steps."""
+
+    steps: int = 0
+    warmup_steps: int = 0
+    warmup_seconds: float = 0.0
+    warmups: int = 0  # eager warmup runs in the graph pool
+    captures: int = 0  # graphs recorded
+    step_ms: list = dataclasses.field(default_factory=list)
+
+    def percentile(self, q: float) -> Optional[float]:
+        if not self.step_ms:
+            return None
+        ordered = sorted(self.step_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def p50_ms(self) -> Optional[float]:
+        return statistics.median(self.step_ms) if self.step_ms else None
+
+    @property
+    def p90_ms(self) -> Optional[float]:
+        return self.percentile(0.9)
+
+    def summary(self) -> str:
+        if not self.step_ms:
+            return f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s, {self.captures} captures"
+        return (
+            f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s, {self.captures} captures, "
+            f"step p50 {self.p50_ms:.3f} ms p90 {self.p90_ms:.3f} ms"
+        )
+
+
+class StepTimer:
+    """Times steps with CUDA events (GPU) or perf_counter (CPU).
+
+    Event pairs are resolved once ``query()`` says they finished, so timing never makes the
+    host wait for the GPU inside the loop; ``finish()`` synchronises the rest once.
+    """
+
+    def __init__(self, device: torch.device, keep: int = 100_000) -> None:
+        self.cuda = device.type == "cuda"
+        self.times: collections.deque = collections.deque(maxlen=keep)
+        self._pending: collections.deque = collections.deque()
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._start, end))
+            while self._pending and self._pending[0][1].query():
+                begin, done = self._pending.popleft()
+                self.times.append(begin.elapsed_time(done))
+        else:
+            self.times.append((time.perf_counter() - self._start) * 1e3)
+
+    def discard(self) -> None:
+        """Forget everything timed so far (warmup steps)."""
+        self._pending.clear()
+        self.times.clear()
+
+    def finish(self) -> list:
+        for begin, done in self._pending:
+            done.synchronize()
+            self.times.append(begin.elapsed_time(done))
+        self._pending.clear()
+        return list(self.times)

@@ -1,0 +1,109 @@
+"""Per-thread CUDAGraph Trees state and the per-worker state threadgraph adds to it.
+
+Both live in torch's C++ thread-local object stash, because autograd copies that stash
+(as part of ThreadLocalState) into its device threads, where backward graphs are warmed
+up, recorded and replayed. A plain ``threading.local`` does not travel there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from . import _compat
+
+TREE_TLS_KEYS = ("tree_manager_containers", "tree_manager_locks")
+WORKER_KEY = "threadgraph.worker"
+
+
+def ensure_cudagraph_tls() -> bool:
+    """Give the calling thread its own CUDAGraph Trees state, as the importing thread has it.
+
+    Idempotent and safe from any thread; on every torch 2.1 - 2.15. The objects are stashed
+    reference-correctly (torch 2.11's stash steals a reference, see ``_compat.stash``), so they
+    stay valid in autograd's backward thread. Returns whether anything had to be created.
+    """
+    trees = _compat.cudagraph_trees()
+    if all(torch._C._is_key_in_tls(key) for key in TREE_TLS_KEYS):
+        return False
+    local = trees.local
+    if not hasattr(local, "tree_manager_containers"):
+        # The same two objects the module creates at import (2.1 - 2.12) or in
+        # ``_initialize_tls`` (2.13+): one tree-manager container and one lock per device.
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = defaultdict(threading.Lock)
+    for key in TREE_TLS_KEYS:
+        if not torch._C._is_key_in_tls(key):
+            _compat.stash(key, getattr(local, key))
+    return True
+
+
+class WorkerState:
+    """What one worker owns that upstream keeps process-wide.
+
+    ``mark_step_counter`` and ``generation`` replace ``MarkStepBox.mark_step_counter`` and
+    ``GenerationTracker.generation`` for this worker's tree managers (hazard 1); instances
+    also key the per-worker cudagraphify state (hazard 10). Read from the stash, so the
+    worker's backward on autograd's device thread sees the same object.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str, device: Optional[torch.device] = None) -> None:
+        self.id = next(self._ids)
+        self.name = name
+        self.device = device
+        self.mark_step_counter = 0
+        self.generation = 0
+        self.warmups = 0
+        self.captures = 0
+
+    def current_generation(self) -> int:
+        # Same rule as CUDAGraphTreeManager.get_curr_generation, on this worker's counters.
+        return self.mark_step_counter if self.mark_step_counter != 0 else self.generation
+
+    def __repr__(self) -> str:
+        return f"WorkerState({self.name!r}, device={self.device}, generation={self.current_generation()})"
+
+
+_strong = threading.local()  # keeps this thread's WorkerState alive where the stash cannot be cleared
+
+
+def current_worker() -> Optional[WorkerState]:
+    """The worker whose work the calling thread does (its own, or its caller's in backward)."""
+    if torch._C._is_key_in_tls(WORKER_KEY):
+        return torch._C._get_obj_in_tls(WORKER_KEY)
+    return None
+
+
+def bind_worker(state: WorkerState) -> None:
+    """Make ``state`` the calling thread's worker, for this thread and its backward."""
+    _strong.state = state
+    _compat.stash(WORKER_KEY, state)
+
+
+def unbind_worker() -> None:
+    """Forget the calling thread's worker where torch can remove stash entries."""
+    _compat.unstash(WORKER_KEY)
+    _strong.state = None
+
+
+def worker_for_current_thread() -> Optional[WorkerState]:
+    """The calling thread's worker, created on first use for Python threads.
+
+    Threads Python did not start (autograd's device threads among them) get none: there the
+    stash carries the caller's worker, and when it does not, upstream's global behaviour applies.
+    """
+    state = current_worker()
+    if state is not None:
+        return state
+    thread = threading.current_thread()
+    if isinstance(thread, threading._DummyThread):
+        return None
+    state = WorkerState(thread.name)
+    bind_worker(state)
+    return state

@@ -1,0 +1,293 @@
+"""CompiledWorkerThread and WorkerGroup: a tiny lifecycle API in the spirit of concurrent.futures."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+
+from ._errors import ThreadgraphError, WorkerError
+from ._gate import gate_for
+from ._patches import install
+from ._stats import StepStats, StepTimer
+from ._tls import WorkerState, bind_worker, ensure_cudagraph_tls, unbind_worker
+
+log = logging.getLogger("threadgraph")
+
+DeviceLike = Union[str, int, torch.device, None]
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """A validated torch.device; CUDA devices must exist. ``None`` means cuda:0, or cpu without CUDA."""
+    if device is None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"threadgraph: bad device {device!r}: {exc}; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ThreadgraphError(
+                f"threadgraph: device {device!r} asks for CUDA, but this torch sees no GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use device='cpu' or run on a GPU machine"
+            )
+        index = 0 if resolved.index is None else resolved.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"threadgraph: device {device!r} does not exist; this machine has "
+                f"{torch.cuda.device_count()} GPU(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
+            )
+        resolved = torch.device("cuda", index)
+    elif resolved.type != "cpu":
+        raise ValueError(f"threadgraph: device type {resolved.type!r} is not supported; use 'cpu' or 'cuda:N'")
+    return resolved
+
+
+class CompiledWorkerThread(threading.Thread):
+    """A thread that owns one compiled model on one device.
+
+    Override ``setup()`` (build and compile; runs in this thread on ``self.device``), ``step()``
+    (one iteration) and ``teardown()``. ``run()`` belongs to the base class: it binds the device,
+    gives the thread its CUDAGraph Trees state and its own generation counters, holds the
+    device gate's shared slot around ``setup()`` and each ``step()``, begins a new cudagraph step
+    before each ``step()``, times steps after ``warmup_steps``, and stores any exception for
+    ``join()``. Call ``self.stop()`` (from anywhere, also from ``step()``) to finish.
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = None,
+        *,
+        name: Optional[str] = None,
+        warmup_steps: int = 3,
+        max_steps: Optional[int] = None,
+        daemon: bool = True,
+    ) -> None:
+        super().__init__(name=name, daemon=daemon)
+        if warmup_steps < 0 or (max_steps is not None and max_steps < 0):
+            raise ValueError("threadgraph: warmup_steps and max_steps must be >= 0")
+        self.device = resolve_device(device)
+        self.warmup_steps = warmup_steps
+        self.max_steps = max_steps
+        self.stats = StepStats()
+        self.worker_state = WorkerState(self.name, self.device)
+        self._stop_requested = threading.Event()
+        self._exception: Optional[BaseException] = None
+        self._phase = "start"
+        self._group: Optional["WorkerGroup"] = None
+
+    # -- to override ---------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build and compile the model. Runs in the worker thread, on the worker's device."""
+
+    def step(self) -> None:
+        """One iteration."""
+        raise NotImplementedError(f"{type(self).__name__} must override step()")
+
+    def teardown(self) -> None:
+        """Release resources. Runs in the worker thread, also after a failure."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the worker to finish after its current step. Idempotent, callable from any thread."""
+        self._stop_requested.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    @property
+    def exception(self) -> Optional[BaseException]:
+        return self._exception
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the worker; re-raise its exception as WorkerError (the original as cause)."""
+        super().join(timeout)
+        if self._exception is not None and not self.is_alive():
+            raise self._as_worker_error() from self._exception
+
+    def gate(self) -> contextlib.AbstractContextManager:
+        """The shared slot of this worker's device (a no-op on CPU)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return gate_for(str(self.device)).shared()
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        timer = StepTimer(self.device)
+        error: Optional[BaseException] = None
+        failed_in = None
+        try:
+            self._phase = "setup"
+            self._bind()
+            with self.gate():
+                self.setup()
+            self._phase = "step"
+            self._loop(timer, started)
+        except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
+            error, failed_in = exc, self._phase
+        try:
+            self._phase = "teardown"
+            with self.gate():
+                self.teardown()
+            self.stats.step_ms = timer.finish()
+        except BaseException as exc:
+            if error is None:
+                error, failed_in = exc, "teardown"
+            else:
+                _add_note(error, f"teardown of {self.name} also failed: {exc!r}")
+        finally:
+            self.stats.warmups = self.worker_state.warmups
+            self.stats.captures = self.worker_state.captures
+            unbind_worker()
+        if error is None:
+            log.debug("threadgraph: worker %s on %s finished: %s", self.name, self.device, self.stats.summary())
+            return
+        self._phase = failed_in
+        self._exception = error
+        log.error("threadgraph: worker %s on %s failed in %s: %r", self.name, self.device, failed_in, error)
+        if self._group is not None:
+            self._group._worker_failed(self, error)
+
+    # -- internals -----------------------------------------------------------------------
+    def _bind(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per host thread (hazard 5)
+            install()
+            ensure_cudagraph_tls()
+        bind_worker(self.worker_state)
+
+    def _loop(self, timer: StepTimer, started: float) -> None:
+        mark_step = torch.compiler.cudagraph_mark_step_begin
+        while not self._stop_requested.is_set():
+            if self.max_steps is not None and self.stats.steps >= self.max_steps:
+                break
+            with self.gate():
+                mark_step()
+                timer.start()
+                self.step()
+                timer.stop()
+            self.stats.steps += 1
+            if self.stats.steps == self.warmup_steps:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                self.stats.warmup_steps = self.stats.steps
+                self.stats.warmup_seconds = time.perf_counter() - started
+                timer.discard()
+        if self.stats.steps < self.warmup_steps:
+            self.stats.warmup_steps = self.stats.steps
+            self.stats.warmup_seconds = time.perf_counter() - started
+            timer.discard()
+
+    def _as_worker_error(self) -> WorkerError:
+        exc = self._exception
+        return WorkerError(
+            f"threadgraph: worker {self.name!r} on {self.device} failed in {self._phase}: {type(exc).__name__}: {exc}",
+            thread_name=self.name,
+            device=str(self.device),
+        )
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10
+        log.error("threadgraph: %s", note)
+
+
+class WorkerGroup:
+    """Start, stop and join many workers, fail-fast.
+
+    The first failure stops every other worker, runs the failure callbacks (close your queues
+    there so blocked peers wake up) and is re-raised from ``join()``. As a context manager it
+    starts the workers on entry and stops and joins them on exit; Ctrl-C stops everything.
+    """
+
+    def __init__(self, workers: Iterable[CompiledWorkerThread] = ()) -> None:
+        self.workers: list[CompiledWorkerThread] = []
+        self._lock = threading.Lock()
+        self._first_failure: Optional[CompiledWorkerThread] = None
+        self._on_failure: list[Callable[[BaseException], None]] = []
+        for worker in workers:
+            self.add(worker)
+
+    def add(self, worker: CompiledWorkerThread) -> CompiledWorkerThread:
+        if worker.is_alive() or worker.ident is not None:
+            raise ValueError(f"threadgraph: worker {worker.name} was already started; add workers before start()")
+        worker._group = self
+        self.workers.append(worker)
+        return worker
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(exc)`` once, when the first worker fails."""
+        self._on_failure.append(callback)
+
+    @property
+    def broken(self) -> bool:
+        return self._first_failure is not None
+
+    def start(self) -> "WorkerGroup":
+        for worker in self.workers:
+            worker.start()
+        return self
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for worker in self.workers:
+                while worker.is_alive():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"threadgraph: worker {worker.name} still running after {timeout} s")
+                    threading.Thread.join(worker, 0.2 if left is None else min(0.2, left))
+        except KeyboardInterrupt:
+            log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
+            self._fail_all(KeyboardInterrupt())
+            for worker in self.workers:
+                threading.Thread.join(worker)
+            raise
+        failed = self._first_failure
+        if failed is not None:
+            others = [w for w in self.workers if w is not failed and w.exception is not None]
+            error = failed._as_worker_error()
+            for other in others:
+                _add_note(error, f"also failed: {other.name}: {other.exception!r}")
+            raise error from failed.exception
+
+    def __enter__(self) -> "WorkerGroup":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self._fail_all(exc)
+            for worker in self.workers:
+                if worker.ident is not None:
+                    threading.Thread.join(worker)
+            return None  # the body's exception propagates
+        self.join()
+
+    def _worker_failed(self, worker: CompiledWorkerThread, error: BaseException) -> None:
+        with self._lock:
+            if self._first_failure is not None:
+                return
+            self._first_failure = worker
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.stop()
+        for callback in self._on_failure:
+            try:
+                callback(error)
+            except BaseException as exc:  # a broken callback must not keep peers blocked
+                log.error("threadgraph: failure callback %r raised %r", callback, exc)
+                _add_note(error, f"failure callback {callback!r} raised {exc!r}")
+
