@@ -157,8 +157,8 @@ class CompiledWorkerThread(threading.Thread):
     def _bind(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per host thread (hazard 5)
-            install()
-            ensure_cudagraph_tls()
+        install()
+        ensure_cudagraph_tls()
         bind_worker(self.worker_state)
 
     def _loop(self, timer: StepTimer, started: float) -> None:

@@ -1,0 +1,266 @@
+"""JSONL training data -> fixed-shape (ids, loss_mask) batches, resumable and shardable.
+
+Accepted line formats (one JSON object per line; blank lines are ignored):
+
+- {"input_ids": [int, ...], "loss_mask": [0/1, ...]}: pre-tokenised, used as is.
+- {"messages": [{"role": str, "content": str}, ...]}: loss on the assistant turns' content. With
+  a tokenizer chat template the conversation is rendered by the template and the assistant
+  contents are located in the rendering; without one it is rendered as "role: content\\n" per
+  turn, with the loss on "content\\n" of assistant turns (not on the "assistant: " prefix).
+- {"prompt": str, "response": str}: the same as messages [user: prompt, assistant: response].
+
+Samples are truncated/padded to seq_len (pad id = tokenizer pad, else eos, else 0; loss_mask 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_FORMATS = ('{"prompt": str, "response": str}, {"messages": [{"role": str, "content": str}, '
+            '...]} or {"input_ids": [int, ...], "loss_mask": [0/1, ...]}')
+
+
+class DataError(ValueError):
+    """A bad training record; the message names the file and 1-based line."""
+
+
+@dataclass
+class TokenData:
+    ids: torch.Tensor  # [M,S] int32 (halves host memory; batches are widened to long)
+    loss_mask: torch.Tensor  # [M,S] bool
+    skipped: int  # samples dropped for having fewer than 2 consecutive loss tokens
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: int | None = None,
+               pad_id: int | None = None) -> TokenData:
+    """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; pass a JSONL file ({_FORMATS})")
+    with path.open(encoding="utf-8") as lines:
+        return tokenize_lines(lines, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
+                              vocab_size=vocab_size, pad_id=pad_id)
+
+
+def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len: int,
+                   vocab_size: int | None = None, pad_id: int | None = None) -> TokenData:
+    """Tokenise JSONL lines (from a file or embedded data); `source` names them in errors."""
+    if vocab_size is None and tokenizer is not None:
+        vocab_size = len(tokenizer)
+    if pad_id is None:
+        pad_id = _default_pad_id(tokenizer)
+    ids_rows, mask_rows, total = [], [], 0
+    for lineno, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        total += 1
+        where = f"{source}:{lineno}"
+        ids, mask = _parse_line(text, where, tokenizer, vocab_size)
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if not any(a and b for a, b in zip(mask, mask[1:])):
+            continue  # no anchor possible: nothing to learn from this sample
+        pad = seq_len - len(ids)
+        ids_rows.append(ids + [pad_id] * pad)
+        mask_rows.append(mask + [0] * pad)
+    skipped = total - len(ids_rows)
+    if skipped:
+        logger.info("skipped %d of %d samples in %s: fewer than 2 consecutive loss tokens within "
+                    "seq_len=%d", skipped, total, source, seq_len)
+    if not ids_rows:
+        raise DataError(
+            f"{source}: no usable samples ({total} read); each needs at least 2 consecutive loss "
+            f"tokens within the first seq_len={seq_len} tokens; add responses or raise seq_len"
+        )
+    return TokenData(ids=torch.tensor(ids_rows, dtype=torch.int32),
+                     loss_mask=torch.tensor(mask_rows, dtype=torch.bool), skipped=skipped)
+
+
+def _default_pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _parse_line(text: str, where: str, tokenizer: Any,
+                vocab_size: int | None) -> tuple[list[int], list[int]]:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); write one JSON "
+                        f"object per line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; use "
+                        f"{_FORMATS}")
+    if "input_ids" in record:
+        ids, mask = _pretokenized(record, where)
+    elif "messages" in record:
+        ids, mask = _encode(_messages(record["messages"], where), where, tokenizer)
+    elif "prompt" in record or "response" in record:
+        for key in ("prompt", "response"):
+            if not isinstance(record.get(key), str):
+                raise DataError(f"{where}: {key!r} must be a string; use {_FORMATS}")
+        turns = [{"role": "user", "content": record["prompt"]},
+                 {"role": "assistant", "content": record["response"]}]
+        ids, mask = _encode(turns, where, tokenizer)
+    else:
+        raise DataError(f"{where}: unknown record with keys {sorted(record)}; use {_FORMATS}")
+    limit = vocab_size if vocab_size is not None else float("inf")
+    bad = next((i for i in ids if not 0 <= i < limit), None)
+    if bad is not None:
+        raise DataError(f"{where}: token id {bad} is outside the target vocabulary "
+                        f"[0, {vocab_size}); tokenise with the target's tokenizer")
+    return ids, mask
+
+
+def _pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]:
+    ids, mask = record["input_ids"], record.get("loss_mask")
+    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        raise DataError(f"{where}: 'input_ids' must be a list of integers")
+    if not isinstance(mask, list) or not all(isinstance(m, bool) or m in (0, 1) and _is_int(m)
+                                             for m in mask):
+        raise DataError(f"{where}: 'loss_mask' must be a list of 0/1 next to 'input_ids'")
+    if len(ids) != len(mask):
+        raise DataError(f"{where}: 'input_ids' has {len(ids)} tokens but 'loss_mask' has "
+                        f"{len(mask)}; give one mask value per token")
+    return ids, [int(m) for m in mask]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of "
+                        f'{{"role": str, "content": str}}')
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and "
+                            f"'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: 'messages' has no assistant turn, so nothing to train on; add "
+                        f"one or drop the line")
+    return messages
+
+
+def _encode(messages: list[dict], where: str, tokenizer: Any) -> tuple[list[int], list[int]]:
+    if tokenizer is None:
+        raise DataError(f"{where}: text records need the target's tokenizer, and there is none; "
+                        f"pre-tokenise to input_ids/loss_mask or use a target with a tokenizer")
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, is_loss in _segments(messages, where, tokenizer):
+        if text:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [int(is_loss)] * len(piece)
+    return ids, mask
+
+
+def _segments(messages: list[dict], where: str, tokenizer: Any) -> list[tuple[str, bool]]:
+    """Split the rendered conversation into (text, is_loss) pieces, tokenised piece by piece."""
+    if not getattr(tokenizer, "chat_template", None):
+        out = []
+        for m in messages:
+            out += [(f"{m['role']}: ", False), (m["content"] + "\n", m["role"] == "assistant")]
+        return out
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    out, cursor = [], 0
+    # Walk every turn in order so an assistant text repeated in an earlier turn is not matched.
+    for i, m in enumerate(messages):
+        content = m["content"]
+        start = rendered.find(content, cursor)
+        if start < 0 and content.strip():  # templates often strip surrounding whitespace
+            content = content.strip()
+            start = rendered.find(content, cursor)
+        if start < 0:
+            if m["role"] == "assistant":
+                raise DataError(f"{where}: assistant messages[{i}] does not appear verbatim in the "
+                                f"chat-template rendering; pre-tokenise to input_ids/loss_mask")
+            continue
+        is_loss = m["role"] == "assistant"
+        out += [(rendered[cursor:start], False), (content, is_loss)]
+        cursor = start + len(content)
+    out.append((rendered[cursor:], False))
+    return out
+
+
+class SampleStream:
+    """Endless fixed-shape batches in an epoch-shuffled order, resumable and shardable.
+
+    The global order is the concatenation of per-epoch permutations (each seeded by
+    (seed, epoch)). Consumer c of P = num_shards * world_size (c = rank * num_shards + shard)
+    takes global samples c, c+P, c+2P, ...: consumers never overlap, every sample is used once
+    per epoch, and a batch may straddle an epoch boundary so tiny datasets still work.
+    """
+
+    def __init__(self, data: TokenData, batch_size: int, *, seed: int = 0, shard: int = 0,
+                 num_shards: int = 1, rank: int = 0, world_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not (0 <= shard < num_shards and 0 <= rank < world_size):
+            raise ValueError(f"need 0 <= shard < num_shards and 0 <= rank < world_size, got "
+                             f"shard={shard}/{num_shards}, rank={rank}/{world_size}")
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.consumers = num_shards * world_size
+        self.consumer = rank * num_shards + shard
+        self._next = self.consumer  # global index of this consumer's next sample
+        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    @property
+    def epoch(self) -> int:
+        return self._next // len(self.data)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """This consumer's batches per pass over the data (at least 1)."""
+        return max(1, len(self.data) // (self.consumers * self.batch_size))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [B,S] long, loss_mask [B,S] long)."""
+        rows = []
+        for _ in range(self.batch_size):
+            epoch, position = divmod(self._next, len(self.data))
+            rows.append(int(self._permutation(epoch)[position]))
+            self._next += self.consumers
+        index = torch.tensor(rows)
+        return self.data.ids[index].long(), self.data.loss_mask[index].long()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self._perm_epoch, self._perm = epoch, torch.randperm(len(self.data), generator=g)
+        return self._perm
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, position = divmod(self._next, len(self.data))
+        return {"epoch": epoch, "position": position, "seed": self.seed,
+                "consumer": self.consumer, "consumers": self.consumers,
+                "num_samples": len(self.data)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        expected = {"seed": self.seed, "consumer": self.consumer, "consumers": self.consumers,
+                    "num_samples": len(self.data)}
+        got = {k: state.get(k) for k in expected}
+        if got != expected:
+            raise ValueError(f"data state {got} does not match this stream {expected}; resume "
+                             f"with the same data, seed, and shard/rank layout")
+        self._next = state["epoch"] * len(self.data) + state["position"]

@@ -1,0 +1,239 @@
+"""The device gate: mutual exclusion of capture and other work, no deadlock, bounded waits."""
+
+import queue
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import threadgraph
+from threadgraph._gate import DeviceGate, gate_for, released
+
+
+class Monitor:
+    """Counts who is inside shared work and exclusive sections; records any overlap."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.shared = 0
+        self.exclusive = 0
+        self.violations = []
+
+    def enter(self, kind):
+        with self.lock:
+            if kind == "exclusive":
+                self.exclusive += 1
+                if self.shared or self.exclusive > 1:
+                    self.violations.append(("exclusive while", self.shared, self.exclusive))
+            else:
+                self.shared += 1
+                if self.exclusive:
+                    self.violations.append(("work during exclusive", self.shared, self.exclusive))
+
+    def leave(self, kind):
+        with self.lock:
+            if kind == "exclusive":
+                self.exclusive -= 1
+            else:
+                self.shared -= 1
+
+
+class DeviceThread:
+    """Autograd's per-device thread: runs every worker's backward, one after another."""
+
+    def __init__(self, gate, monitor):
+        self.gate, self.monitor = gate, monitor
+        self.jobs = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            captures, done = job
+            try:
+                for _ in range(captures):  # a capture inside backward takes the gate exclusively
+                    with self.gate.exclusive():
+                        self.monitor.enter("exclusive")
+                        self.monitor.leave("exclusive")
+                done.put(None)
+            except BaseException as exc:
+                done.put(exc)
+
+    def backward(self, captures):
+        done = queue.Queue()
+        self.jobs.put((captures, done))
+        return done
+
+
+def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
+    with gate.shared():  # like CompiledWorkerThread.step()
+        for i, op in enumerate(program):
+            if i == fail_at:
+                raise ValueError("planned failure")
+            if op == "work":
+                monitor.enter("shared")
+                monitor.leave("shared")
+            elif op == "capture":  # an upgrade from the shared slot
+                with gate.exclusive():
+                    monitor.enter("exclusive")
+                    monitor.leave("exclusive")
+            elif op in ("backward", "backward_capture"):
+                with released():  # what the gate_release_in_backward patch does
+                    error = device_thread.backward(1 if op == "backward_capture" else 0).get(timeout=30)
+                if error is not None:
+                    raise error
+            elif op == "wait_peers":  # a queue wait on other workers
+                with released():
+                    peers_ready.wait(timeout=30)
+
+
+programs = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from(["work", "capture", "backward", "backward_capture", "wait_peers"]), max_size=12),
+        st.one_of(st.none(), st.integers(0, 11)),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(programs)
+def test_random_interleavings_keep_capture_exclusive_and_finish(programs):
+    gate = DeviceGate("test:0", timeout=30)
+    import threadgraph._gate as gate_module
+
+    gate_module._gates["test:0"] = gate  # so released() sees it
+    try:
+        monitor = Monitor()
+        device_thread = DeviceThread(gate, monitor)
+        peers_ready = threading.Barrier(len(programs))
+        results = {}
+
+        def worker(index, program, fail_at):
+            try:
+                run_program(gate, monitor, device_thread, program, fail_at, _BarrierEvent(peers_ready))
+                results[index] = "ok"
+            except ValueError:
+                results[index] = "failed as planned"
+            except BaseException as exc:
+                results[index] = exc
+
+        threads = [threading.Thread(target=worker, args=(i, p, f)) for i, (p, f) in enumerate(programs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), f"deadlock: holders {gate.holders()}"
+        device_thread.jobs.put(None)
+        assert monitor.violations == []
+        for i, (program, fail_at) in enumerate(programs):
+            expected = "failed as planned" if fail_at is not None and fail_at < len(program) else "ok"
+            assert results[i] == expected, results[i]
+        assert gate.holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0}
+    finally:
+        del gate_module._gates["test:0"]
+
+
+class _BarrierEvent:
+    """Waits for peers at most once; a broken or timed-out barrier is not an error here
+    (a peer may have failed as planned or finished its program)."""
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def wait(self, timeout):
+        try:
+            self.barrier.wait(timeout=min(timeout, 0.5))
+        except threading.BrokenBarrierError:
+            pass
+
+
+def test_exclusive_waits_for_shared_and_blocks_new_shared():
+    gate = DeviceGate("t:1", timeout=10)
+    order = []
+    gate.acquire_shared()
+    got_exclusive = threading.Event()
+
+    def capturer():
+        with gate.exclusive():
+            order.append("exclusive")
+            got_exclusive.set()
+
+    t = threading.Thread(target=capturer)
+    t.start()
+    assert not got_exclusive.wait(0.2)  # held back by our shared slot
+    assert gate.holders()["exclusive_waiting"] == 1
+    late_shared = threading.Thread(target=lambda: (gate.acquire_shared(), order.append("late shared"), gate.release_shared()))
+    late_shared.start()
+    gate.release_shared()
+    t.join(10)
+    late_shared.join(10)
+    assert order == ["exclusive", "late shared"]
+
+
+def test_upgrade_from_shared_does_not_deadlock_two_upgraders():
+    gate = DeviceGate("t:2", timeout=10)
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def upgrader():
+        try:
+            with gate.shared():
+                barrier.wait(5)
+                with gate.exclusive():
+                    with gate.exclusive():  # reentrant
+                        pass
+                assert gate.holders()["shared"]  # slot given back after the exclusive section
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upgrader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+def test_timeout_names_the_holder():
+    gate = DeviceGate("cuda:9", timeout=0.3)
+    holder_in = threading.Event()
+    finish = threading.Event()
+
+    def holder():
+        with gate.shared():
+            holder_in.set()
+            finish.wait(10)
+
+    t = threading.Thread(target=holder, name="stuck-worker")
+    t.start()
+    holder_in.wait(5)
+    with pytest.raises(threadgraph.GateTimeout, match="stuck-worker") as info:
+        gate.acquire_exclusive()
+    assert info.value.device == "cuda:9"
+    finish.set()
+    t.join(10)
+    gate.acquire_exclusive()  # nothing left held after the failed wait
+    gate.release_exclusive()
+
+
+def test_release_without_holding_is_an_error():
+    gate = DeviceGate("t:3")
+    with pytest.raises(RuntimeError, match="does not hold"):
+        gate.release_shared()
+    with pytest.raises(RuntimeError, match="without owning"):
+        gate.release_exclusive()
+
+
+def test_released_restores_slots_on_every_gate():
+    a, b = gate_for("test:a"), gate_for("test:b")
+    with a.shared(), a.shared(), b.shared():
+        with released():
+            assert a.holders()["shared"] == [] and b.holders()["shared"] == []
+        assert a._shared[threading.get_ident()] == 2 and b._shared[threading.get_ident()] == 1
+    assert a.holders()["shared"] == [] and b.holders()["shared"] == []

@@ -1,0 +1,151 @@
+"""Per-worker generations against the tree manager's own generation logic.
+
+Workers are real threads driven one operation at a time in an order hypothesis chooses.
+Backward runs on one shared "device thread" that receives the calling worker's stash entry,
+as autograd's device thread receives ThreadLocalState. The manager methods are upstream's,
+called on a per-worker stand-in that holds the manager's generation fields.
+"""
+
+import queue
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import threadgraph
+import torch
+from threadgraph import _compat, _tls
+
+trees = _compat.cudagraph_trees()
+Manager = trees.CUDAGraphTreeManager
+eval_frame = torch._dynamo.eval_frame
+
+
+class Executor:
+    """A thread that runs submitted callables in order, re-raising their errors to the caller."""
+
+    def __init__(self, name):
+        self.inbox = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            fn, reply = self.inbox.get()
+            if fn is None:
+                return
+            try:
+                reply.put((True, fn()))
+            except BaseException as exc:  # travels back to the caller
+                reply.put((False, exc))
+
+    def call(self, fn):
+        reply = queue.Queue()
+        self.inbox.put((fn, reply))
+        ok, value = reply.get(timeout=30)
+        if not ok:
+            raise value
+        return value
+
+    def close(self):
+        self.inbox.put((None, None))
+        self.thread.join(30)
+
+
+class ManagerFields:
+    """The generation fields of one tree manager; static lookups go to the (patched) class."""
+
+    def __init__(self):
+        self.current_gen = -1
+        self.running_forwards_with_pending_backwards = False
+
+    def get_curr_generation(self):
+        return Manager.get_curr_generation()
+
+    def user_invoked_mark_step(self):
+        return Manager.user_invoked_mark_step()
+
+    def in_new_torch_compile_invocation(self):
+        return Manager.in_new_torch_compile_invocation(self)
+
+
+def _new_manager_fields():
+    return ManagerFields()
+
+
+def _observe(manager):
+    return (Manager.in_new_torch_compile_invocation(manager), Manager.can_start_new_generation(manager))
+
+
+def run_schedule(schedule, n_workers):
+    """Run (worker, op) pairs; return each worker's observations."""
+    workers = [Executor(f"worker-{i}") for i in range(n_workers)]
+    device_thread = Executor("autograd-device-thread")
+    states = [w.call(_tls.worker_for_current_thread) for w in workers]
+    managers = [_new_manager_fields() for _ in range(n_workers)]
+    seen = [[] for _ in range(n_workers)]
+    try:
+        for worker, op in schedule:
+            m = managers[worker]
+            if op == "mark":
+                workers[worker].call(torch.compiler.cudagraph_mark_step_begin)
+            elif op == "fwd":
+                def fwd(m=m):
+                    eval_frame.install_generation_tagging_init()  # what entering a compiled frame does
+                    seen_now = _observe(m)
+                    Manager.update_generation(m)
+                    m.running_forwards_with_pending_backwards = True
+                    return seen_now
+
+                seen[worker].append(("fwd", workers[worker].call(fwd)))
+            else:
+                def bwd(m=m, state=states[worker]):
+                    _compat.stash(_tls.WORKER_KEY, state)  # ThreadLocalState propagation
+                    seen_now = _observe(m)
+                    m.running_forwards_with_pending_backwards = False
+                    Manager.update_generation(m)
+                    return seen_now
+
+                seen[worker].append(("bwd", device_thread.call(bwd)))
+    finally:
+        for executor in workers + [device_thread]:
+            executor.close()
+    return seen
+
+
+ops = st.sampled_from(["mark", "fwd", "bwd"])
+schedules = st.integers(2, 4).flatmap(
+    lambda n: st.tuples(st.just(n), st.lists(st.tuples(st.integers(0, n - 1), ops), min_size=1, max_size=30))
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedules)
+def test_each_worker_sees_the_generations_it_would_see_alone(clean_patches, case):
+    n, schedule = case
+    threadgraph.install()
+    together = run_schedule(schedule, n)
+    for worker in range(n):
+        alone = run_schedule([(0, op) for w, op in schedule if w == worker], 1)[0]
+        assert together[worker] == alone, f"worker {worker} was disturbed by the others"
+
+
+def test_without_the_patch_another_threads_mark_step_ends_a_generation(clean_patches):
+    # Upstream behaviour (documents hazard 1): B's mark step makes A's pending backward start a
+    # new generation, which frees A's live outputs.
+    schedule = [(0, "fwd"), (1, "mark"), (0, "bwd")]
+    unpatched = run_schedule(schedule, 2)[0]
+    threadgraph.install()
+    patched = run_schedule(schedule, 2)[0]
+    assert unpatched[1] == ("bwd", (True, True))
+    assert patched[1] == ("bwd", (False, False))
+
+
+def test_without_the_patch_another_threads_compiled_call_ends_a_generation(clean_patches):
+    schedule = [(0, "mark"), (0, "fwd"), (1, "fwd"), (0, "fwd")]
+    unpatched = run_schedule(schedule, 2)[0]
+    threadgraph.install()
+    patched = run_schedule(schedule, 2)[0]
+    assert unpatched != patched
+    assert patched == run_schedule([(0, "mark"), (0, "fwd"), (0, "fwd")], 1)[0]

@@ -1,0 +1,138 @@
+import threading
+
+import pytest
+import torch
+
+import threadgraph
+from threadgraph import _compat
+
+from conftest import run_in_thread
+
+trees = _compat.cudagraph_trees()
+
+
+def _targets():
+    out = {}
+    for patch in threadgraph.patches():
+        module_path, _, qualname = patch["target"].partition(":")
+        owner = __import__(module_path, fromlist=["_"])
+        *parents, attribute = qualname.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        out[patch["name"]] = (owner, attribute)
+    return out
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_exact_originals(clean_patches):
+    targets = _targets()
+    originals = {name: vars(owner)[attr] for name, (owner, attr) in targets.items()}
+    first = threadgraph.install()
+    assert first, "nothing was patched"
+    wrapped = {name: vars(owner)[attr] for name, (owner, attr) in targets.items()}
+    assert threadgraph.install() == []
+    assert all(vars(owner)[attr] is wrapped[name] for name, (owner, attr) in targets.items())
+    assert sorted(threadgraph.uninstall()) == sorted(first)
+    for name, (owner, attr) in targets.items():
+        assert vars(owner)[attr] is originals[name], name
+    assert threadgraph.uninstall() == []
+
+
+def test_patches_report_names_hazard_and_activity(clean_patches):
+    before = {p["name"]: p for p in threadgraph.patches()}
+    assert not any(p["active"] for p in before.values())
+    for p in before.values():
+        assert p["hazard"] and p["releases"] and p["removable_when"] and ":" in p["target"]
+    threadgraph.install()
+    after = {p["name"]: p["active"] for p in threadgraph.patches()}
+    assert after == {name: p["applies"] for name, p in before.items()}
+
+
+def test_installed_context_manager_restores_on_exit(clean_patches):
+    original = vars(trees)["mark_step_begin"]
+    with threadgraph.installed():
+        assert vars(trees)["mark_step_begin"] is not original
+    assert vars(trees)["mark_step_begin"] is original
+
+
+def test_installed_leaves_an_outer_install_in_place(clean_patches):
+    threadgraph.install()
+    with threadgraph.installed():
+        pass
+    assert any(p["active"] for p in threadgraph.patches())
+
+
+def test_missing_symbol_is_named(monkeypatch):
+    monkeypatch.delattr(trees, "mark_step_begin")
+    with pytest.raises(threadgraph.UnsupportedTorchError, match="cudagraph_trees.mark_step_begin"):
+        threadgraph.install()
+
+
+# -- simulated torch <= 2.12 ------------------------------------------------------------------
+
+
+def _asserting_get_obj(local, attr_name):
+    # torch 2.1 - 2.12, verbatim in behaviour: no lazy initialisation
+    if hasattr(local, attr_name):
+        return getattr(local, attr_name)
+    assert torch._C._is_key_in_tls(attr_name)
+    return torch._C._get_obj_in_tls(attr_name)
+
+
+@pytest.fixture
+def old_torch(monkeypatch, clean_patches):
+    monkeypatch.setattr(trees, "get_obj", _asserting_get_obj)
+    if hasattr(trees, "_initialize_tls"):
+        monkeypatch.delattr(trees, "_initialize_tls")
+    assert _compat.get_obj_asserts()
+    yield
+
+
+def _container_in_fresh_thread():
+    return run_in_thread(lambda: trees.get_container(0))
+
+
+def test_simulated_old_torch_asserts_in_a_plain_thread(old_torch):
+    with pytest.raises(AssertionError):
+        _container_in_fresh_thread()
+
+
+def test_shim_restores_function_on_simulated_old_torch(old_torch):
+    assert "lazy_tls" in threadgraph.install()
+    a = _container_in_fresh_thread()
+    b = _container_in_fresh_thread()
+    assert a is not b and a.device_index == 0
+    threadgraph.uninstall()
+    assert vars(trees)["get_obj"] is _asserting_get_obj
+    with pytest.raises(AssertionError):
+        _container_in_fresh_thread()
+
+
+def test_lazy_tls_patch_is_not_applied_on_new_torch(clean_patches):
+    if _compat.get_obj_asserts():
+        pytest.skip("this torch asserts; covered by the simulated tests")
+    assert "lazy_tls" not in threadgraph.install()
+
+
+def test_ensure_tls_alone_fixes_a_thread_on_simulated_old_torch(old_torch):
+    def body():
+        threadgraph.ensure_cudagraph_tls()
+        return trees.get_container(0)
+
+    assert run_in_thread(body).device_index == 0
+
+
+def test_concurrent_first_use_from_many_threads(old_torch):
+    threadgraph.install()
+    barrier = threading.Barrier(8)
+
+    def body():
+        barrier.wait(30)
+        return trees.get_container(0)
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(body())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len({id(c) for c in results}) == 8

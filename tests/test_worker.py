@@ -1,0 +1,157 @@
+import threading
+
+import pytest
+import torch
+
+import threadgraph
+from threadgraph import CompiledWorkerThread, WorkerError, WorkerGroup
+
+
+class Counter(CompiledWorkerThread):
+    def __init__(self, fail_in=None, at_step=0, **kw):
+        super().__init__("cpu", **kw)
+        self.fail_in, self.at_step = fail_in, at_step
+        self.events = []
+
+    def setup(self):
+        self.events.append("setup")
+        self.model = torch.nn.Linear(4, 4)
+        if self.fail_in == "setup":
+            raise ValueError("boom in setup")
+
+    def step(self):
+        if self.fail_in == "step" and self.stats.steps == self.at_step:
+            raise ValueError("boom in step")
+        self.model(torch.randn(2, 4)).sum().backward()
+
+    def teardown(self):
+        self.events.append("teardown")
+        if self.fail_in == "teardown":
+            raise ValueError("boom in teardown")
+
+
+@pytest.mark.parametrize("phase", ["setup", "step", "teardown"])
+def test_exception_in_each_phase_reaches_join_with_the_workers_name(phase):
+    worker = Counter(fail_in=phase, at_step=2, name=f"w-{phase}", max_steps=5)
+    worker.start()
+    with pytest.raises(WorkerError, match=rf"w-{phase}.*cpu.*{phase}.*boom in {phase}") as info:
+        worker.join(30)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert info.value.thread_name == f"w-{phase}" and info.value.device == "cpu"
+    assert worker.events[-1] == "teardown"  # teardown runs after any failure
+
+
+def test_teardown_failure_after_step_failure_keeps_both():
+    class Both(Counter):
+        def teardown(self):
+            raise RuntimeError("teardown too")
+
+    worker = Both(fail_in="step", name="both", max_steps=3)
+    worker.start()
+    with pytest.raises(WorkerError, match="boom in step") as info:
+        worker.join(30)
+    notes = getattr(info.value.__cause__, "__notes__", [])
+    assert any("teardown too" in n for n in notes)
+
+
+def test_max_steps_warmup_and_stats():
+    worker = Counter(name="ok", max_steps=10, warmup_steps=3)
+    worker.start()
+    worker.join(30)
+    assert worker.stats.steps == 10 and worker.stats.warmup_steps == 3
+    assert len(worker.stats.step_ms) == 7 and worker.stats.p50_ms > 0
+    assert worker.stats.p90_ms >= worker.stats.p50_ms
+
+
+def test_stop_is_idempotent_and_ends_an_unbounded_worker():
+    worker = Counter(name="forever")
+    worker.start()
+    worker.stop()
+    worker.stop()
+    worker.join(30)
+    assert not worker.is_alive() and worker.exception is None
+
+
+def test_group_fail_fast_stops_the_others_and_wakes_blocked_peers():
+    blocked = threading.Event()
+    wake = threading.Event()
+
+    class Blocker(Counter):
+        def step(self):
+            blocked.set()
+            with threadgraph.released():
+                wake.wait(30)  # a queue wait; the failure callback wakes it
+
+    group = WorkerGroup([Blocker(name="blocker"), Counter(name="healthy"), Counter(fail_in="step", at_step=3, name="bad")])
+    group.on_failure(lambda exc: wake.set())
+    group.start()
+    with pytest.raises(WorkerError, match="'bad'"):
+        group.join(60)
+    assert group.broken
+    assert all(not w.is_alive() for w in group.workers)
+    assert blocked.is_set()
+
+
+def test_group_context_manager_stops_everything_on_ctrl_c():
+    workers = [Counter(name=f"w{i}") for i in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        with WorkerGroup(workers):
+            raise KeyboardInterrupt
+    assert all(not w.is_alive() for w in workers)
+
+
+def test_group_join_reports_other_failures_as_notes():
+    gate = threading.Barrier(2)
+
+    class FailTogether(Counter):
+        def step(self):
+            gate.wait(10)
+            raise ValueError(f"boom {self.name}")
+
+    group = WorkerGroup([FailTogether(name="a"), FailTogether(name="b")])
+    group.start()
+    with pytest.raises(WorkerError) as info:
+        group.join(30)
+    assert len(getattr(info.value, "__notes__", [])) == 1
+
+
+def test_step_must_be_overridden():
+    worker = CompiledWorkerThread("cpu", name="bare")
+    worker.start()
+    with pytest.raises(WorkerError, match="must override step"):
+        worker.join(30)
+
+
+def test_adding_a_started_worker_is_an_error():
+    worker = Counter(name="early", max_steps=1)
+    worker.start()
+    worker.join(30)
+    with pytest.raises(ValueError, match="already started"):
+        WorkerGroup([worker])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_device_without_gpu_gets_one_clear_error():
+    with pytest.raises(threadgraph.ThreadgraphError, match="sees no GPU.*device='cpu'"):
+        CompiledWorkerThread("cuda:0")
+
+
+@pytest.mark.parametrize("device", ["tpu:0", "gibberish", 3.5])
+def test_bad_device_strings_are_rejected(device):
+    with pytest.raises(ValueError, match="device"):
+        CompiledWorkerThread(device)
+
+
+def test_each_worker_has_its_own_generation_state():
+    seen = {}
+
+    class Marker(Counter):
+        def step(self):
+            seen.setdefault(self.name, []).append(threadgraph._tls.current_worker())
+
+    workers = [Marker(name=f"m{i}", max_steps=3) for i in range(2)]
+    with WorkerGroup(workers):
+        pass
+    states = {name: {id(s) for s in v} for name, v in seen.items()}
+    assert all(len(s) == 1 for s in states.values()) and states["m0"] != states["m1"]
+    assert workers[0].worker_state.mark_step_counter == -3  # base class begins a step each time
