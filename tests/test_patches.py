@@ -136,3 +136,10 @@ def test_concurrent_first_use_from_many_threads(old_torch):
     for t in threads:
         t.join(60)
     assert len({id(c) for c in results}) == 8
+
+
+def test_exclude_leaves_named_patches_out_and_rejects_unknown_names(clean_patches):
+    applied = threadgraph.install(exclude={"worker_mark_step"})
+    assert "worker_mark_step" not in applied and "worker_generation" in applied
+    with pytest.raises(ValueError, match="no patch named"):
+        threadgraph.install(exclude={"nonsense"})

@@ -148,10 +148,17 @@ PATCHES = [
 _registry = Registry(PATCHES)
 
 
-def install() -> list[str]:
-    """Apply threadgraph's patches (idempotent). Returns the names applied by this call."""
+GENERATION_PATCHES = frozenset({"worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump"})
+
+
+def install(exclude: frozenset = frozenset()) -> list[str]:
+    """Apply threadgraph's patches (idempotent). Returns the names applied by this call.
+
+    ``exclude`` names patches to leave out (see ``patches()``); meant for experiments and for
+    demonstrating what each patch fixes, not for production.
+    """
     _compat.check_supported()
-    return _registry.install()
+    return _registry.install(frozenset(exclude))
 
 
 def uninstall() -> list[str]:

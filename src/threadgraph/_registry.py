@@ -48,12 +48,15 @@ class Registry:
         self._originals: dict[str, tuple[Any, str, Any]] = {}
         self._lock = threading.RLock()
 
-    def install(self) -> list[str]:
+    def install(self, exclude: frozenset = frozenset()) -> list[str]:
         """Apply every patch whose condition holds; returns the names newly applied."""
+        unknown = set(exclude) - set(self._patches)
+        if unknown:
+            raise ValueError(f"threadgraph: no patch named {sorted(unknown)}; known: {sorted(self._patches)}")
         applied = []
         with self._lock:
             for patch in self._patches.values():
-                if patch.name in self._originals or not patch.applies():
+                if patch.name in self._originals or patch.name in exclude or not patch.applies():
                     continue
                 owner, attribute = patch.owner_and_attribute()
                 original = vars(owner)[attribute]

@@ -1,0 +1,449 @@
+"""GPU scenarios for threadgraph, each meant to run in a fresh process.
+
+    python -m tests.gpu_scenarios NAME [--steps N] [--workers N] [--out result.json]
+
+Every scenario prints one JSON object (and writes it to --out): what ran, what was compared,
+per-worker step times. ``tests/test_gpu.py`` runs them in subprocesses and asserts on the
+results; run directly they double as measurements. Model: 24 x [Linear 512, GELU, LayerNorm],
+batch 16 (the figures in torch-threading-hazards.md), float32 so results compare tightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+
+import threadgraph
+from threadgraph import CompiledWorkerThread, WorkerGroup
+
+WIDTH, DEPTH, BATCH = 512, 24, 16
+
+
+def allow_recompiles() -> None:
+    """Every worker compiles the same code for its own model; Dynamo counts those as recompiles.
+    Dynamo config is per thread from torch 2.12 (hazard 7), so each thread sets it."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
+def checksum(out: torch.Tensor) -> torch.Tensor:
+    """A fixed random projection: LayerNorm outputs sum to ~0, so a plain sum would compare nothing."""
+    proj = _projections.get(out.device)
+    if proj is None:
+        g = torch.Generator().manual_seed(4242)
+        proj = _projections[out.device] = torch.randn(out.shape[-1], generator=g, dtype=torch.float64).to(out.device)
+    return (out.double() * proj).sum()
+
+
+_projections: dict = {}
+
+
+def make_model(seed: int, device) -> torch.nn.Module:
+    allow_recompiles()
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def make_data(seed: int, steps: int, device, batch: int = BATCH):
+    g = torch.Generator().manual_seed(1000 + seed)
+    xs = torch.randn(steps, batch, WIDTH, generator=g)
+    ys = torch.randn(steps, batch, WIDTH, generator=g)
+    return xs.to(device), ys.to(device)
+
+
+class Trainer(CompiledWorkerThread):
+    """Trains one MLP; keeps every loss on the device until the end."""
+
+    def __init__(self, device, seed, steps, mode="reduce-overhead", switch_shape_at=None, **kw):
+        super().__init__(device, max_steps=steps, warmup_steps=min(5, steps), **kw)
+        self.seed, self.steps, self.mode, self.switch_shape_at = seed, steps, mode, switch_shape_at
+
+    def setup(self):
+        self.model = make_model(self.seed, self.device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        model = self.model
+
+        def loss_fn(x, y):
+            return torch.nn.functional.mse_loss(model(x), y)
+
+        self.loss_fn = loss_fn if self.mode == "eager" else torch.compile(loss_fn, mode=self.mode)
+        self.xs, self.ys = make_data(self.seed, self.steps, self.device)
+        if self.switch_shape_at is not None:  # a second input shape arrives mid-run
+            self.xs2, self.ys2 = make_data(self.seed, self.steps, self.device, batch=BATCH * 2)
+        self.losses = torch.zeros(self.steps, device=self.device)
+
+    def step(self):
+        i = self.stats.steps
+        x, y = self.xs[i], self.ys[i]
+        if self.switch_shape_at is not None and i >= self.switch_shape_at:
+            x, y = self.xs2[i], self.ys2[i]
+        loss = self.loss_fn(x, y)
+        self.losses[i] = loss.detach()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def result(self):
+        return {
+            "name": self.name,
+            "device": str(self.device),
+            "losses": self.losses.cpu().tolist(),
+            "p50_ms": self.stats.p50_ms,
+            "p90_ms": self.stats.p90_ms,
+            "warmup_s": round(self.stats.warmup_seconds, 2),
+            "captures": self.stats.captures,
+        }
+
+
+class Inferer(CompiledWorkerThread):
+    def __init__(self, device, seed, steps, **kw):
+        super().__init__(device, max_steps=steps, warmup_steps=min(5, steps), **kw)
+        self.seed, self.steps = seed, steps
+
+    def setup(self):
+        self.model = make_model(self.seed, self.device).eval()
+        self.fn = torch.compile(self.model, mode="reduce-overhead")
+        self.xs, _ = make_data(self.seed, self.steps, self.device)
+        self.sums = torch.zeros(self.steps, device=self.device)
+
+    def step(self):
+        with torch.no_grad():
+            out = self.fn(self.xs[self.stats.steps])
+        self.sums[self.stats.steps] = checksum(out)
+
+    def result(self):
+        return {"name": self.name, "sums": self.sums.cpu().tolist(), "p50_ms": self.stats.p50_ms,
+                "captures": self.stats.captures}
+
+
+def run_group(workers, timeout=540):
+    started = time.perf_counter()
+    group = WorkerGroup(workers)
+    group.start()
+    group.join(timeout)
+    return time.perf_counter() - started
+
+
+def cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["inductor"].get(k, 0) for k in counters["inductor"] if "cudagraph_skips" in k))
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def plain_thread_bug(args):
+    """Upstream #123177: a plain thread calling a reduce-overhead function, no threadgraph."""
+    box = {}
+
+    def body():
+        try:
+            fn = torch.compile(make_model(0, "cuda"), mode="reduce-overhead")
+            x = torch.randn(BATCH, WIDTH, device="cuda")
+            for _ in range(3):
+                fn(x)
+            box["outcome"] = "ran"
+        except BaseException as exc:
+            box["outcome"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(300)
+    from threadgraph import _compat
+
+    return {"outcome": box.get("outcome"), "get_obj_asserts": _compat.get_obj_asserts()}
+
+
+def main_thread_reference(seed, steps):
+    """The same training on the main thread, reduce-overhead, as the reference."""
+    model = make_model(seed, "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fn = torch.compile(lambda x, y: torch.nn.functional.mse_loss(model(x), y), mode="reduce-overhead")
+    xs, ys = make_data(seed, steps, "cuda")
+    losses = []
+    for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = fn(xs[i], ys[i])
+        losses.append(loss.detach().clone())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).cpu().tolist()
+
+
+def one_worker(args):
+    """1 worker trains and 1 infers; compared with the main thread; graphs must replay."""
+    steps = args.steps
+    reference = main_thread_reference(0, steps)
+    ref_model = make_model(1, "cuda").eval()
+    xs, _ = make_data(1, steps, "cuda")
+    with torch.no_grad():
+        ref_sums = [checksum(ref_model(xs[i])).item() for i in range(steps)]
+    skips_before = cudagraph_skips()
+    trainer, inferer = Trainer("cuda:0", 0, steps, name="trainer"), Inferer("cuda:0", 1, steps, name="inferer")
+    run_group([trainer])  # one at a time: "1 worker"
+    run_group([inferer])
+    return {
+        "reference": reference,
+        "trainer": trainer.result(),
+        "ref_sums": ref_sums,
+        "inferer": inferer.result(),
+        "cudagraph_skips": cudagraph_skips() - skips_before,
+    }
+
+
+def generation(args):
+    """A runs forward; B runs a whole step with its own mark-step; then A's backward + optimizer.
+
+    ``--variant unpatched`` leaves the generation patches out (expected to corrupt or raise).
+    Ordered with events, so the interleaving is the same every run.
+    """
+    exclude = threadgraph._patches.GENERATION_PATCHES if args.variant == "unpatched" else frozenset()
+    threadgraph.install(exclude=exclude)
+    warm = 4
+    a_fwd_done, b_done = threading.Event(), threading.Event()
+    box = {}
+
+    def run_a(interleave):
+        threadgraph.ensure_cudagraph_tls()
+        torch.cuda.set_device(0)
+        model = make_model(0, "cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        fn = torch.compile(lambda x, y: torch.nn.functional.mse_loss(model(x), y), mode="reduce-overhead")
+        xs, ys = make_data(0, warm + 1, "cuda")
+        for i in range(warm + 1):
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = fn(xs[i], ys[i])
+            if i == warm and interleave:
+                torch.cuda.current_stream().synchronize()
+                a_fwd_done.set()
+                assert b_done.wait(300), "B did not finish"
+            loss.backward()
+            opt.step()
+            if i < warm:
+                opt.zero_grad(set_to_none=True)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()
+
+    def run_b():
+        threadgraph.ensure_cudagraph_tls()
+        torch.cuda.set_device(0)
+        model = make_model(7, "cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        fn = torch.compile(lambda x, y: torch.nn.functional.mse_loss(model(x), y), mode="reduce-overhead")
+        xs, ys = make_data(7, warm + 1, "cuda")
+        # B starts only once A's forward is pending: all of B's warmup, captures and mark-steps
+        # happen while A holds live outputs it still needs for backward.
+        assert a_fwd_done.wait(300), "A did not run its forward"
+        for i in range(warm + 1):
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = fn(xs[i], ys[i])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().synchronize()
+        b_done.set()
+
+    def guarded(key, fn, *a):
+        try:
+            box[key] = fn(*a)
+        except BaseException as exc:
+            box[key + "_error"] = f"{type(exc).__name__}: {exc}"
+            a_fwd_done.set()
+            b_done.set()
+
+    reference_thread = threading.Thread(target=guarded, args=("reference", run_a, False))
+    reference_thread.start()
+    reference_thread.join(300)
+    ta = threading.Thread(target=guarded, args=("a", run_a, True))
+    tb = threading.Thread(target=guarded, args=("b", run_b))
+    ta.start()
+    tb.start()
+    ta.join(300)
+    tb.join(300)
+    out = {"variant": args.variant, "errors": {k: v for k, v in box.items() if k.endswith("_error")}}
+    if "a" in box and "reference" in box:
+        out["grads_equal"] = bool(torch.allclose(box["a"], box["reference"], rtol=1e-4, atol=1e-6))
+        out["max_abs_diff"] = float((box["a"] - box["reference"]).abs().max())
+    return out
+
+
+def _throughput(workers, seconds):
+    steps = sum(w.stats.steps - w.stats.warmup_steps for w in workers)
+    return steps / seconds if seconds else None
+
+
+def _steady_seconds(workers):
+    """Wall time of the steady state, from per-step times (max over workers of p50 * steps)."""
+    return max(w.stats.p50_ms * (w.stats.steps - w.stats.warmup_steps) for w in workers) / 1e3
+
+
+def many(args):
+    """N training workers on one GPU vs each alone, and vs the same workers in eager threads."""
+    n, steps = args.workers, args.steps
+    alone = []
+    for i in range(n):
+        w = Trainer("cuda:0", i, steps, name=f"alone-{i}")
+        run_group([w])
+        alone.append(w)
+    together = [Trainer("cuda:0", i, steps, name=f"worker-{i}") for i in range(n)]
+    wall = run_group(together)
+    eager = [Trainer("cuda:0", i, steps, mode="eager", name=f"eager-{i}") for i in range(n)]
+    eager_wall = run_group(eager)
+    return {
+        "workers": n,
+        "steps": steps,
+        "losses_allclose": [
+            bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6))
+            for t, a in zip(together, alone)
+        ],
+        "alone_p50_ms": [a.stats.p50_ms for a in alone],
+        "together": [t.result() | {"losses": None} for t in together],
+        "eager_p50_ms": [e.stats.p50_ms for e in eager],
+        "together_steps_per_s": _throughput(together, _steady_seconds(together)),
+        "alone_steps_per_s": 1e3 / alone[0].stats.p50_ms,
+        "eager_steps_per_s": _throughput(eager, _steady_seconds(eager)),
+        "wall_s": {"together": round(wall, 1), "eager": round(eager_wall, 1)},
+    }
+
+
+def mixed(args):
+    """5 inference + 3 training workers on one GPU; training compared with each alone."""
+    steps = args.steps
+    alone = []
+    for i in range(3):
+        w = Trainer("cuda:0", i, steps, name=f"alone-{i}")
+        run_group([w])
+        alone.append(w)
+    trainers = [Trainer("cuda:0", i, steps, name=f"train-{i}") for i in range(3)]
+    inferers = [Inferer("cuda:0", 10 + i, steps, name=f"infer-{i}") for i in range(5)]
+    run_group(trainers + inferers)
+    ref = []
+    for i in range(5):
+        model = make_model(10 + i, "cuda").eval()
+        xs, _ = make_data(10 + i, steps, "cuda")
+        with torch.no_grad():
+            ref.append(torch.stack([checksum(model(xs[j])) for j in range(steps)]).cpu())
+    return {
+        "train_allclose": [bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6)) for t, a in zip(trainers, alone)],
+        "infer_allclose": [bool(torch.allclose(torch.tensor(w.result()["sums"], dtype=torch.float64), r, rtol=1e-3, atol=1e-2)) for w, r in zip(inferers, ref)],
+        "train_p50_ms": [t.stats.p50_ms for t in trainers],
+        "infer_p50_ms": [w.stats.p50_ms for w in inferers],
+    }
+
+
+def capture_failure(args):
+    """One worker raises inside a real capture; in a group the rest stop cleanly, alone they carry on."""
+    trees = threadgraph._compat.cudagraph_trees()
+    original_record = trees.CUDAGraphNode._record
+
+    def record(self, model, inputs):
+        worker = threadgraph._tls.current_worker()
+        if worker is not None and worker.name.startswith("bad"):
+            def failing(inputs):
+                model(inputs)  # kernels were captured, then the user's code raises mid-capture
+                raise RuntimeError("injected failure inside capture")
+
+            return original_record(self, failing, inputs)
+        return original_record(self, model, inputs)
+
+    trees.CUDAGraphNode._record = record
+    steps = args.steps
+    out = {}
+    group_workers = [Trainer("cuda:0", i, steps, name=f"good-{i}") for i in range(2)] + [Trainer("cuda:0", 9, steps, name="bad-group")]
+    started = time.perf_counter()
+    try:
+        run_group(group_workers)
+        out["group_error"] = None
+    except threadgraph.WorkerError as exc:
+        out["group_error"] = str(exc)
+    out["group_seconds"] = round(time.perf_counter() - started, 1)
+    out["group_all_stopped"] = not any(w.is_alive() for w in group_workers)
+    # independent workers: the good ones carry on and stay correct
+    alone = Trainer("cuda:0", 0, steps, name="alone-0")
+    run_group([alone])
+    good = Trainer("cuda:0", 0, steps, name="good-solo")
+    bad = Trainer("cuda:0", 9, steps, name="bad-solo")
+    good.start()
+    bad.start()
+    good.join(300)
+    try:
+        bad.join(300)
+        out["solo_bad_error"] = None
+    except threadgraph.WorkerError as exc:
+        out["solo_bad_error"] = str(exc)
+    out["solo_good_allclose"] = bool(torch.allclose(torch.tensor(good.result()["losses"]), torch.tensor(alone.result()["losses"]), rtol=1e-4, atol=1e-6))
+    out["solo_good_steps"] = good.stats.steps
+    return out
+
+
+def new_shapes(args):
+    """One worker meets a new input shape mid-run (recompile + capture) while others replay."""
+    steps = args.steps
+    alone = [Trainer("cuda:0", i, steps, name=f"alone-{i}", switch_shape_at=steps // 2 if i == 0 else None) for i in range(3)]
+    for w in alone:
+        run_group([w])
+    together = [Trainer("cuda:0", i, steps, name=f"worker-{i}", switch_shape_at=steps // 2 if i == 0 else None) for i in range(3)]
+    run_group(together)
+    return {
+        "losses_allclose": [bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6)) for t, a in zip(together, alone)],
+        "captures": [t.stats.captures for t in together],
+        "p50_ms": [t.stats.p50_ms for t in together],
+    }
+
+
+def two_gpus(args):
+    """One worker per GPU, capturing concurrently; each compared with the same worker alone."""
+    n = torch.cuda.device_count()
+    steps = args.steps
+    alone = [Trainer(f"cuda:{i}", i, steps, name=f"alone-{i}") for i in range(n)]
+    for w in alone:
+        run_group([w])
+    together = [Trainer(f"cuda:{i}", i, steps, name=f"gpu-{i}") for i in range(n)]
+    run_group(together)
+    return {
+        "gpus": n,
+        "losses_allclose": [bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6)) for t, a in zip(together, alone)],
+        "alone_p50_ms": [a.stats.p50_ms for a in alone],
+        "together_p50_ms": [t.stats.p50_ms for t in together],
+    }
+
+
+SCENARIOS = {f.__name__: f for f in [plain_thread_bug, one_worker, generation, many, mixed, capture_failure, new_shapes, two_gpus]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--variant", choices=["patched", "unpatched"], default="patched")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_scenarios needs a CUDA GPU")
+    started = time.perf_counter()
+    result = SCENARIOS[args.scenario](args)
+    result["scenario"] = args.scenario
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["torch"] = torch.__version__
+    result["gpu"] = torch.cuda.get_device_name(0)
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

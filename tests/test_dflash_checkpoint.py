@@ -1,0 +1,160 @@
+"""Checkpoint round trip, corrupt files, and the config that travels inside checkpoints."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from examples.dflash_trainer.checkpoint import (CheckpointError, latest_checkpoint,
+                                                load_checkpoint, save_checkpoint)
+from examples.dflash_trainer.config import TrainConfig
+from examples.dflash_trainer.model import DFlashDrafter
+
+VOCAB, HIDDEN = 50, 32
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    torch.manual_seed(0)
+    return nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+
+def _setup(frozen, seed):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8,
+                            intermediate_size=64, num_layers=1, num_feature_layers=2,
+                            rms_norm_eps=1e-6, rope_theta=10000.0, embed_tokens=frozen[0],
+                            lm_head=frozen[1])
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    return drafter, opt, sched
+
+
+def _train_step(drafter, opt, sched):
+    ids = torch.randint(0, VOCAB, (2, 4))
+    logits = drafter(ids, torch.randn(2, 6, 2 * HIDDEN), torch.arange(6, 10).expand(2, 4),
+                     torch.arange(6).expand(2, 6))
+    logits.float().logsumexp(-1).mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def test_round_trip_restores_everything(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    for _ in range(3):
+        _train_step(drafter, opt, sched)
+    cfg = TrainConfig(max_steps=10)
+    data_state = {"epoch": 1, "position": 5, "seed": 0, "consumer": 0, "consumers": 1}
+    save_checkpoint(tmp_path, 3, drafter, opt, sched, [data_state], {"config": cfg.to_dict()})
+    after_save = (torch.rand(3), random.random())
+
+    fresh, fresh_opt, fresh_sched = _setup(frozen, 1)
+    step, data, extra = load_checkpoint(tmp_path, fresh, fresh_opt, fresh_sched)
+    assert (step, data) == (3, [data_state])
+    assert TrainConfig.from_dict(extra["config"]) == cfg
+    for (name, a), b in zip(drafter.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name  # bit-identical
+    saved, loaded = opt.state_dict(), fresh_opt.state_dict()
+    for key in saved["state"]:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["state"][key][field], loaded["state"][key][field])
+    assert fresh_sched.last_epoch == sched.last_epoch == 3
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert torch.equal(torch.rand(3), after_save[0])  # RNG states restored
+    assert random.random() == after_save[1]
+
+    # Both continue identically from here.
+    torch.manual_seed(7)
+    _train_step(drafter, opt, sched)
+    torch.manual_seed(7)
+    _train_step(fresh, fresh_opt, fresh_sched)
+    for a, b in zip(drafter.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_weights_file_holds_only_drafter_weights(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    keys = set(load_file(str(path / "model.safetensors")))
+    assert keys == set(drafter.state_dict()) and not any("embed" in k for k in keys)
+
+
+def test_latest_points_at_newest(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    assert latest_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    newest = save_checkpoint(tmp_path, 2, drafter, opt, sched, None)
+    assert latest_checkpoint(tmp_path) == newest
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp leftovers
+    assert load_checkpoint(newest, drafter)[0] == 2  # a step directory also loads
+
+
+def test_corrupt_weights_name_the_file(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    (path / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupt"):
+        load_checkpoint(tmp_path, drafter, opt, sched)
+
+
+def test_missing_state_names_the_file(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    (path / "state.pt").unlink()
+    with pytest.raises(CheckpointError, match="state.pt is missing"):
+        load_checkpoint(tmp_path, drafter, opt, sched)
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path, frozen):
+    with pytest.raises(CheckpointError, match="start without resume"):
+        load_checkpoint(tmp_path, _setup(frozen, 0)[0])
+
+
+def test_other_architecture_is_a_clear_error(tmp_path, frozen):
+    drafter, opt, sched = _setup(frozen, 0)
+    save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    other = DFlashDrafter(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8,
+                          intermediate_size=64, num_layers=2, num_feature_layers=2,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, embed_tokens=frozen[0],
+                          lm_head=frozen[1])
+    with pytest.raises(CheckpointError, match="does not fit this drafter"):
+        load_checkpoint(tmp_path, other)
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+def test_config_defaults_and_derived_values():
+    cfg = TrainConfig()
+    assert cfg.gamma_value == 4.0 and cfg.num_feature_layers == cfg.num_draft_layers
+    assert TrainConfig(block_size=16).gamma_value == 7.0
+    assert TrainConfig(block_size=10).gamma_value == 5.0
+    assert TrainConfig(block_size=12, gamma=3).gamma_value == 3.0
+    assert TrainConfig(devices="cuda:0, cuda:1").device_list == ["cuda:0", "cuda:1"]
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 12}, "pass gamma explicitly"),
+    ({"block_size": 1}, "block_size must be >= 2"),
+    ({"seq_len": 0}, "seq_len must be >= 1"),
+    ({"epochs": True}, "epochs must be an integer"),
+    ({"lr": 0}, "lr must be > 0"),
+    ({"warmup_ratio": 1.0}, "warmup_ratio must be >= 0.0 and < 1.0"),
+    ({"gamma": -1.0}, "gamma must be > 0"),
+    ({"compile": "max"}, "compile must be one of"),
+    ({"dtype": "float16"}, "dtype must be one of"),
+    ({"devices": "cuda:0,,cuda:1"}, "empty entry"),
+    ({"max_steps": 0}, "max_steps must be >= 1"),
+    ({"num_target_layers_used": 0}, "num_target_layers_used must be >= 1"),
+])
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown TrainConfig keys \\['lr_max'\\]"):
+        TrainConfig.from_dict({"lr_max": 1.0})

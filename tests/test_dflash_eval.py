@@ -1,0 +1,77 @@
+"""Acceptance length by greedy speculative decoding on a tiny random Qwen3."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from examples.dflash_trainer.eval import acceptance_length, repeat_last_token
+from examples.dflash_trainer.model import DFlashDrafter
+from examples.dflash_trainer.target import TargetModel
+
+MASK, BS = 299, 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    return TargetModel(Qwen3ForCausalLM(cfg), num_feature_layers=2, mask_token_id=MASK)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 290, (n,), generator=g) for n in (3, 7)]
+
+
+def _greedy(target, tokens, count):
+    out = tokens
+    for _ in range(count):
+        logits, _ = target.logits_and_features(out[None])
+        out = torch.cat([out, logits[0, -1].argmax()[None]])
+    return out[tokens.shape[0]:]
+
+
+def test_oracle_drafter_accepts_every_block(target, prompts):
+    def oracle(tokens, context, block_size):
+        # The context is the target's features of every token but the newest (the anchor).
+        assert context.shape[0] == tokens.shape[0] - 1
+        torch.testing.assert_close(context, target.features(tokens[None, :-1])[0])
+        return _greedy(target, tokens, block_size - 1)
+
+    result = acceptance_length(target, oracle, prompts, BS, max_new_tokens=9, mask_token_id=MASK)
+    assert result["tau"] == BS
+    assert result["accepted_hist"] == [0, 0, 0, result["steps"]]
+    assert result["steps"] == 2 * 2  # per prompt: 1 prefill token + 2 blocks of 4 >= 9
+
+
+@pytest.mark.parametrize("right", [0, 1, 2])
+def test_accepts_the_matching_prefix(target, prompts, right):
+    def partly_right(tokens, context, block_size):
+        draft = _greedy(target, tokens, block_size - 1)
+        draft[right] = (draft[right] + 1) % 290  # first `right` tokens match, then a miss
+        return draft
+
+    result = acceptance_length(target, partly_right, prompts, BS, 6, MASK)
+    assert result["tau"] == right + 1
+    assert result["accepted_hist"][right] == result["steps"]
+
+
+def test_random_drafter_and_baseline(target, prompts):
+    torch.manual_seed(3)
+    drafter = DFlashDrafter.from_target_config(target.config, target.embed_tokens,
+                                               target.lm_head, num_layers=1, n=2)
+    drafter.train()
+    result = acceptance_length(target, drafter, prompts, BS, 8, MASK)
+    assert result["tau"] >= 1 and result["steps"] > 0 and result["tokens"] >= 16
+    assert sum(result["accepted_hist"]) == result["steps"]
+    assert drafter.training  # eval put it back the way it was
+    assert acceptance_length(target, repeat_last_token, prompts, BS, 8, MASK)["tau"] >= 1
+
+
+def test_stop_token_ends_the_prompt(target, prompts):
+    first = _greedy(target, prompts[0], 1)
+    result = acceptance_length(target, repeat_last_token, prompts[:1], BS, 50, MASK,
+                               stop_token_ids=[int(first)])
+    assert result["steps"] == 0 and result["tokens"] == 1 and result["tau"] == 1.0
