@@ -72,7 +72,7 @@ def dflash_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: in
     keep_q = keep.repeat_interleave(block_size, dim=1)  # [B,Q]
     context = (kv < seq_len)[None, None, :] & (kv[None, None, :] < anchor_q[..., None])
     same_block = (kv >= seq_len)[None, :] & (((kv - seq_len) // block_size)[None, :]
-                                             >= 0 * q_block[:, None])  # [Q,S+Q]
+                                             == q_block[:, None])  # [Q,S+Q]
     return (context | same_block[None]) & keep_q[..., None]
 
 

@@ -1,0 +1,41 @@
+"""Command line: ``python -m threadgraph doctor [--selftest] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._doctor import format_report, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="threadgraph", description="threadgraph: CUDA graphs in worker threads")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="torch/CUDA versions, hazards present, patches; --selftest runs GPU checks")
+    doctor.add_argument("--selftest", action="store_true", help="train and infer with reduce-overhead in worker threads on the GPU")
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(argv)
+
+    info = report()
+    if args.selftest and not info["cuda_available"]:
+        message = "threadgraph doctor --selftest needs a CUDA GPU; this machine has none (torch sees no GPU). Run it on a GPU machine."
+        print(json.dumps(info | {"selftest": message}) if args.json else format_report(info) + "\n\n" + message)
+        return 2
+    if args.selftest:
+        from ._selftest import run_all
+
+        info["selftest"] = run_all()
+    if args.json:
+        print(json.dumps(info, default=str))
+    else:
+        print(format_report(info))
+        for result in info.get("selftest", []):
+            verdict = "PASS" if result.get("passed") else "FAIL"
+            detail = f"p50 {result['p50_ms']:.3f} ms, p90 {result['p90_ms']:.3f} ms, {result['captures']} captures" if result.get("p50_ms") else result.get("error", "")
+            print(f"selftest {verdict}: {result['check']}: {detail}")
+    return 0 if all(r.get("passed") for r in info.get("selftest", [])) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
