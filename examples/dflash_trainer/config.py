@@ -23,7 +23,7 @@ class TrainConfig:
     out_dir: str = "runs/dflash"
     targets: int = 5  # target worker threads (producers of features)
     drafters: int = 3  # drafter worker threads (consumers, one optimiser step each)
-    devices: str | None = None  # "cuda:0,cuda:1" or "cpu"; None = all visible GPUs, else cpu
+    devices: str | None = None  # "cuda:0,cuda:1" or "cpu"; None = the entry point picks
     seq_len: int = 256  # paper: 3072
     block_size: int = 8  # paper: 16
     num_anchors: int = 16  # paper: 512

@@ -76,7 +76,7 @@ class Rotary(nn.Module):
 
 
 class DraftAttention(nn.Module):
-    """Non-causal attention whose keys/values are [context features ; block tokens] (KV injection)."""
+    """Non-causal attention; keys/values are [context features ; block tokens] (KV injection)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float) -> None:
@@ -94,7 +94,8 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, rotary: Rotary,
-                q_pos: torch.Tensor, kv_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
         b, q_len, _ = x.shape
         kv_in = torch.cat([context, x], dim=1)  # context skips the input norm; W_k/W_v shared
         kv_len = kv_in.shape[1]

@@ -1,0 +1,43 @@
+"""Which device each worker gets.
+
+With at least targets + drafters devices every worker has its own. With fewer, drafters take
+devices 0, 1, ... and targets continue round-robin after them, so a drafter shares its GPU
+with as few workers as possible (drafters do forward + backward + optimizer; targets only
+forward). Example, 5 targets + 3 drafters on 2 GPUs: drafters on 0,1,0; targets on 1,0,1,0,1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    targets: tuple[str, ...]
+    drafters: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"targets on {', '.join(self.targets)}; drafters on {', '.join(self.drafters)}"
+
+
+def available_devices(requested: list[str]) -> list[str]:
+    """The devices to use: the requested list, or all visible GPUs, or the CPU."""
+    if not requested:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    for device in requested:
+        kind = torch.device(device).type
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--devices asks for {device}, but torch sees no GPU; use --devices cpu")
+        if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--devices asks for {device}; this machine has {torch.cuda.device_count()} GPU(s)")
+        if kind not in ("cuda", "cpu"):
+            raise ValueError(f"--devices entry {device!r} is neither cpu nor cuda:N")
+    return requested
+
+
+def place(targets: int, drafters: int, devices: list[str]) -> Placement:
+    order = [devices[i % len(devices)] for i in range(targets + drafters)]
+    return Placement(targets=tuple(order[drafters:]), drafters=tuple(order[:drafters]))
