@@ -45,13 +45,20 @@ def checksum(out: torch.Tensor) -> torch.Tensor:
 _projections: dict = {}
 
 
+_init_lock = threading.Lock()
+
+
 def make_model(seed: int, device) -> torch.nn.Module:
+    """Seeded init draws from torch's process-global generator: threads building models at the
+    same time would interleave their draws, so construction is serialised."""
     allow_recompiles()
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
-    return torch.nn.Sequential(*layers).to(device)
+    with _init_lock:
+        torch.manual_seed(seed)
+        layers = []
+        for _ in range(DEPTH):
+            layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
+        model = torch.nn.Sequential(*layers)
+    return model.to(device)
 
 
 def make_data(seed: int, steps: int, device, batch: int = BATCH):
@@ -144,7 +151,12 @@ def cudagraph_skips() -> int:
 
 
 def plain_thread_bug(args):
-    """Upstream #123177: a plain thread calling a reduce-overhead function, no threadgraph."""
+    """Upstream #123177: a plain thread calling a reduce-overhead function, no threadgraph.
+
+    The TLS belongs to the thread that first imported cudagraph_trees; in a real program that
+    is the main thread (it compiled something, or imported a library that did)."""
+    import torch._inductor.cudagraph_trees  # noqa: F401
+
     box = {}
 
     def body():

@@ -1,0 +1,38 @@
+"""Beyond one machine: torchrun starts one process per node; each runs its own targets and
+drafters, and drafter gradients are averaged across processes with torch.distributed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes (NCCL on GPU, gloo on CPU); False when alone."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch was built without torch.distributed")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def local_devices(devices: list[str]) -> list[str]:
+    """With several processes on one node, each takes its share of the node's devices."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world <= 1 or devices == ["cpu"]:
+        return devices
+    mine = devices[local_rank::local_world]
+    if not mine:
+        raise ValueError(f"{local_world} processes on this node but only {len(devices)} devices; "
+                         "start one process per node (torchrun --nproc-per-node 1)")
+    return mine
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""The two kinds of worker thread: targets produce features, drafters train on them."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+import threadgraph
+
+from .loss import sample_anchors
+from .model import DFlashDrafter
+from .run import Run
+from .step import make_step_fn
+
+log = logging.getLogger("dflash")
+
+
+class TargetWorker(threadgraph.CompiledWorkerThread):
+    """Runs the frozen target on its shard of the data and hands (ids, loss_mask, features,
+    anchors, keep) for global batch b to drafter b % D."""
+
+    def __init__(self, run: Run, index: int, device: str) -> None:
+        super().__init__(device, name=f"target-{index}", warmup_steps=3)
+        self.run_ctx, self.index = run, index
+
+    def setup(self) -> None:
+        run = self.run_ctx
+        self.target = run.load_target(self.device)
+        self.features = run.compile(self.target.features)
+        self.stream = run.sample_stream(shard=self.index, num_shards=run.config.targets)
+        # Skip what earlier steps consumed: our k-th batch is global batch k*T + index.
+        first = run.start_step * run.config.drafters
+        self.k = max(0, math.ceil((first - self.index) / run.config.targets))
+        for _ in range(self.k):
+            self.stream.next_batch()
+        self.anchor_rng = torch.Generator()
+
+    def step(self) -> None:
+        run, cfg = self.run_ctx, self.run_ctx.config
+        b = self.k * cfg.targets + self.index
+        if b >= run.total_steps * cfg.drafters:
+            self.stop()
+            return
+        ids, loss_mask = self.stream.next_batch()
+        # Anchors depend on the batch index only, never on which thread consumes the batch.
+        self.anchor_rng.manual_seed(run.anchor_seed(b))
+        anchors, keep = sample_anchors(loss_mask, cfg.num_anchors, self.anchor_rng)
+        ids = ids.to(self.device, non_blocking=True)
+        features = self.features(ids)
+        item = {
+            "ids": ids,
+            "loss_mask": loss_mask.to(self.device, non_blocking=True),
+            "features": features.clone(),  # graph outputs are overwritten by the next replay
+            "anchors": anchors.to(self.device, non_blocking=True),
+            "keep": keep.to(self.device, non_blocking=True),
+        }
+        run.inboxes[b % cfg.drafters].put(b, item)
+        self.k += 1
+
+
+class DrafterWorker(threadgraph.CompiledWorkerThread):
+    """One data-parallel replica of the drafter. Replica 0 also evaluates, logs and checkpoints."""
+
+    def __init__(self, run: Run, index: int, device: str) -> None:
+        super().__init__(device, name=f"drafter-{index}", warmup_steps=3)
+        self.run_ctx, self.index = run, index
+        self.history = None
+
+    def setup(self) -> None:
+        run, cfg = self.run_ctx, self.run_ctx.config
+        embed, lm_head = run.load_frozen_heads(self.device)
+        # Identical initial weights in every replica and process. Init draws from torch's global
+        # generator, so replicas build one at a time.
+        with run.init_lock:
+            torch.manual_seed(cfg.seed)
+            drafter = DFlashDrafter.from_target_config(
+                run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers
+            )
+        self.drafter = drafter.to(self.device)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, run.lr_lambda)
+        run.restore(self.drafter, self.optimizer, self.scheduler)
+        self.step_fn = run.compile(
+            make_step_fn(self.drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
+                         mask_token_id=run.mask_token_id, autocast_dtype=run.autocast_dtype)
+        )
+        # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the leader now and then.
+        self.history = torch.zeros(run.total_steps, 5, device=self.device)
+        self.step_index = run.start_step
+        if self.index == 0:
+            run.leader_setup(self)
+
+    def step(self) -> None:
+        run, cfg = self.run_ctx, self.run_ctx.config
+        s = self.step_index
+        if s >= run.total_steps:
+            self.stop()
+            return
+        batch = run.inboxes[self.index].get(self.device)
+        loss, metrics = self.step_fn(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+        loss.backward()
+        mean_metrics = run.averager.average(self.index, self.params, metrics)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.history[s] = torch.cat([mean_metrics, grad_norm.reshape(1).float()])
+        self.step_index = s + 1
+        if self.index == 0:
+            run.leader_after_step(self, s + 1)
