@@ -7,6 +7,7 @@ Public API (everything else is private and may change):
 - ``patches()``: which patches exist, what they fix, which are active.
 - ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups.
 - ``released()``: give up the device gate's slots around a blocking wait.
+- ``capture_step()``: a whole training step replayed as one CUDA graph.
 """
 
 from ._errors import GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
@@ -14,11 +15,15 @@ from ._gate import released
 from ._patches import install, installed, patches, uninstall
 from ._stats import StepStats
 from ._tls import ensure_cudagraph_tls
+from ._wholestep import CaptureError, StepGraph, capture_step
 from ._worker import CompiledWorkerThread, WorkerGroup
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureError",
+    "StepGraph",
+    "capture_step",
     "CompiledWorkerThread",
     "GateTimeout",
     "StepStats",

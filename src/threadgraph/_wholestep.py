@@ -1,0 +1,159 @@
+"""Whole-step graphs: one worker's entire training step (forward, loss, backward, optimizer,
+gradient zeroing) captured as ONE CUDA graph and replayed.
+
+CUDAGraph Trees replays per compiled region and keeps Python bookkeeping per call, under the
+GIL; a replayed whole step costs one ``cudaGraphLaunch`` (the binding releases the GIL) plus
+the input copies. Warmup and capture run on the step's own stream, into its own private memory
+pool, while holding the device gate exclusively, so no other worker's CUDA work overlaps them
+(hazard 2). Backward inside the capture runs on autograd's device thread; the capture is
+stream-based, so those kernels are recorded too.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._errors import ThreadgraphError, ThreadgraphWarning
+from ._gate import gate_for
+
+log = logging.getLogger("threadgraph")
+
+FALLBACKS = ("raise", "uncaptured")
+
+
+class CaptureError(ThreadgraphError):
+    """The step could not be captured as one CUDA graph; the message names the cause."""
+
+
+_HINTS = (
+    ("operation not permitted when stream is capturing", "a host synchronisation (e.g. .item(), .cpu(), print of a tensor, torch.cuda.synchronize) or a data-dependent shape (nonzero, boolean indexing)"),
+    ("cudaErrorStreamCaptureUnsupported", "a host synchronisation or an unsupported CUDA call"),
+    ("Offset increment outside graph capture", "random numbers drawn by another thread during capture"),
+    ("capturable", "an optimizer that is not capturable: pass capturable=True (Adam, AdamW) or use SGD"),
+)
+
+
+def _explain(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    for needle, hint in _HINTS:
+        if needle in text:
+            return f"{text}\n  likely cause: {hint}"
+    return text
+
+
+class StepGraph:
+    """A step function replayed as one CUDA graph. Build it with :func:`capture_step`."""
+
+    def __init__(self, fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str = "raise") -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(f"threadgraph: fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if warmup_steps < 1:
+            raise ValueError("threadgraph: capture_step needs warmup_steps >= 1 (optimizer state and "
+                             "compiled kernels must exist before capture)")
+        self.fn = fn
+        self.warmup_steps = warmup_steps
+        self.fallback = fallback
+        self.calls = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.uncaptured_reason: Optional[str] = None
+        self._static_inputs: Optional[tuple] = None
+        self._static_output: Any = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._device: Optional[torch.device] = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.calls += 1
+        if self.uncaptured_reason is not None:
+            return self.fn(*inputs)
+        if self.graph is not None:
+            return self._replay(inputs)
+        self._check_inputs(inputs)
+        with gate_for(str(self._device)).exclusive():
+            if self.calls <= self.warmup_steps:
+                return self._warmup(inputs)
+            return self._capture(inputs)
+
+    # -- phases ---------------------------------------------------------------------------
+    def _check_inputs(self, inputs: tuple) -> None:
+        devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
+        bad = [type(t).__name__ for t in inputs if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise CaptureError(f"threadgraph: capture_step inputs must be tensors (copied into static buffers); got {bad}. "
+                               "Close over other values in the step function instead")
+        if any(d.type != "cuda" for d in devices) or len(devices) > 1:
+            raise CaptureError(f"threadgraph: capture_step inputs must all be on one CUDA device; got {sorted(map(str, devices))}. "
+                               "Move them with .to(device) first (CPU tensors cannot be captured)")
+        device = devices.pop() if devices else torch.device("cuda", torch.cuda.current_device())
+        if self._device is None:
+            self._device = device
+            self._stream = torch.cuda.Stream(device)
+        elif device != self._device:
+            raise CaptureError(f"threadgraph: this step graph lives on {self._device}, but got inputs on {device}")
+
+    def _on_side_stream(self, fn: Callable[[], Any]) -> Any:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return out
+
+    def _warmup(self, inputs: tuple) -> Any:
+        # Warm up on the side stream, as torch.cuda.graphs recommends: lazy state (optimizer
+        # moments, cuBLAS workspaces, compiled kernels, AccumulateGrad streams) is created here.
+        return self._on_side_stream(lambda: self.fn(*inputs))
+
+    def _capture(self, inputs: tuple) -> Any:
+        self._static_inputs = tuple(t.clone() for t in inputs)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize(self._device)  # safe: we hold the device exclusively
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._static_output = self.fn(*self._static_inputs)
+        except Exception as exc:
+            self._static_inputs = self._static_output = None
+            message = f"threadgraph: the step could not be captured as one CUDA graph: {_explain(exc)}"
+            if self.fallback == "raise":
+                raise CaptureError(message + "\n  pass fallback='uncaptured' to run it uncaptured instead") from exc
+            self.uncaptured_reason = message
+            log.warning("%s; running it uncaptured from now on", message)
+            warnings.warn(message, ThreadgraphWarning, stacklevel=3)
+            return self.fn(*inputs)
+        self.graph = graph
+        log.debug("threadgraph: captured a whole step on %s", self._device)
+        return self._replay(inputs)
+
+    def _replay(self, inputs: tuple) -> Any:
+        if len(inputs) != len(self._static_inputs):
+            raise CaptureError(f"threadgraph: the step was captured with {len(self._static_inputs)} inputs, got {len(inputs)}")
+        for static, new in zip(self._static_inputs, inputs):
+            if static.shape != new.shape or static.dtype != new.dtype:
+                raise CaptureError(
+                    f"threadgraph: a captured step has fixed input shapes; got {tuple(new.shape)} {new.dtype}, "
+                    f"captured {tuple(static.shape)} {static.dtype}. Pad inputs to one shape, or build one step graph per shape"
+                )
+            static.copy_(new, non_blocking=True)
+        self.graph.replay()
+        return self._static_output
+
+
+def capture_step(fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str = "raise") -> StepGraph:
+    """Turn a whole training step into one replayed CUDA graph.
+
+    ``fn(*tensors)`` must be capturable: fixed shapes, no host syncs (``.item()``), CUDA tensors
+    only, a capturable optimizer (SGD; Adam/AdamW with ``capturable=True``), gradients zeroed with
+    ``zero_grad(set_to_none=False)``, learning-rate schedules as device tensors. Compiled regions
+    inside must not use CUDAGraph Trees (use ``torch.compile`` default mode). The first
+    ``warmup_steps`` calls run uncaptured; the next one captures; later ones copy the inputs into
+    static buffers and replay. Outputs are static tensors, overwritten by the next call: clone
+    what you keep. ``fallback="uncaptured"`` logs and runs the step uncaptured when capture fails;
+    ``"raise"`` raises :class:`CaptureError`.
+    """
+    return StepGraph(fn, warmup_steps=warmup_steps, fallback=fallback)
