@@ -83,7 +83,18 @@ class Trainer(CompiledWorkerThread):
         def loss_fn(x, y):
             return torch.nn.functional.mse_loss(model(x), y)
 
-        self.loss_fn = loss_fn if self.mode == "eager" else torch.compile(loss_fn, mode=self.mode)
+        if self.mode == "whole-step":
+            opt = self.opt
+
+            def train_step(x, y):
+                loss = loss_fn(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)  # gradients stay static buffers of the graph
+                return loss.detach()
+
+            self.graph_step = threadgraph.capture_step(train_step)
+        self.loss_fn = loss_fn if self.mode in ("eager", "whole-step") else torch.compile(loss_fn, mode=self.mode)
         self.xs, self.ys = make_data(self.seed, self.steps, self.device)
         if self.switch_shape_at is not None:  # a second input shape arrives mid-run
             self.xs2, self.ys2 = make_data(self.seed, self.steps, self.device, batch=BATCH * 2)
@@ -94,11 +105,17 @@ class Trainer(CompiledWorkerThread):
         x, y = self.xs[i], self.ys[i]
         if self.switch_shape_at is not None and i >= self.switch_shape_at:
             x, y = self.xs2[i], self.ys2[i]
+        if self.mode == "whole-step":
+            self.losses[i] = self.graph_step(x, y)
+            return
         loss = self.loss_fn(x, y)
         self.losses[i] = loss.detach()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def params(self):
+        return torch.cat([p.detach().flatten() for p in self.model.parameters()]).cpu()
 
     def result(self):
         return {
@@ -431,7 +448,80 @@ def two_gpus(args):
     }
 
 
-SCENARIOS = {f.__name__: f for f in [plain_thread_bug, one_worker, generation, many, mixed, capture_failure, new_shapes, two_gpus]}
+def _close(a, b) -> bool:
+    return bool(torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-4, atol=1e-6))
+
+
+def manual_floor(steps: int) -> float:
+    """The GPU floor of the step: main thread, whole step captured by hand, replayed (p50 ms)."""
+    model = make_model(0, "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs, ys = make_data(0, 1, "cuda")
+    sx, sy = xs[0].clone(), ys[0].clone()
+
+    def train_step():
+        loss = torch.nn.functional.mse_loss(model(sx), sy)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sx.copy_(xs[0], non_blocking=True)
+        sy.copy_(ys[0], non_blocking=True)
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def whole_step(args):
+    """Issue 7: the whole step as one graph per worker, against eager and CUDAGraph Trees."""
+    steps = args.steps
+    n_gpus = torch.cuda.device_count()
+    cells = {}
+    for mode in ("eager", "reduce-overhead", "whole-step"):
+        w = Trainer("cuda:0", 0, steps, mode=mode, name=f"one-{mode}")
+        run_group([w])
+        cells[mode] = w
+    floor = manual_floor(steps)
+    shared = [Trainer("cuda:0", i, steps, mode="whole-step", name=f"shared-{i}") for i in range(3)]
+    run_group(shared)
+    shared_alone = [cells["whole-step"]] + [Trainer("cuda:0", i, steps, mode="whole-step", name=f"alone-{i}") for i in (1, 2)]
+    for w in shared_alone[1:]:
+        run_group([w])
+    out = {
+        "losses_allclose_eager": _close(cells["whole-step"].result()["losses"], cells["eager"].result()["losses"]),
+        "params_allclose_eager": _close(cells["whole-step"].params(), cells["eager"].params()),
+        "p50_ms": {m: w.stats.p50_ms for m, w in cells.items()},
+        "floor_ms": floor,
+        "shared_one_gpu_allclose": [_close(a.result()["losses"], b.result()["losses"]) for a, b in zip(shared, shared_alone)],
+        "shared_one_gpu_p50_ms": [w.stats.p50_ms for w in shared],
+    }
+    if n_gpus > 1:
+        per_gpu = [Trainer(f"cuda:{i}", 0, steps, mode="whole-step", name=f"gpu-{i}") for i in range(n_gpus)]
+        run_group(per_gpu)
+        out["per_gpu_p50_ms"] = [w.stats.p50_ms for w in per_gpu]
+        out["per_gpu_allclose"] = [_close(w.result()["losses"], cells["whole-step"].result()["losses"]) for w in per_gpu]
+        trees = [Trainer(f"cuda:{i}", 0, steps, name=f"trees-gpu-{i}") for i in range(n_gpus)]
+        run_group(trees)
+        out["per_gpu_trees_p50_ms"] = [w.stats.p50_ms for w in trees]
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in [plain_thread_bug, one_worker, generation, many, mixed, capture_failure, new_shapes, two_gpus, whole_step]}
 
 
 def main(argv=None) -> None:

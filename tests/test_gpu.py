@@ -82,3 +82,11 @@ def test_new_input_shapes_in_one_worker_while_others_replay():
 def test_two_workers_on_two_gpus_capture_concurrently_and_train_correctly():
     r = scenario("two_gpus", "--steps", STEPS)
     assert r["gpus"] >= 2 and all(r["losses_allclose"]), r
+
+
+def test_whole_step_graph_matches_eager_and_approaches_the_floor():
+    r = scenario("whole_step", "--steps", STEPS)
+    assert r["losses_allclose_eager"] and r["params_allclose_eager"], r
+    assert all(r["shared_one_gpu_allclose"]), r
+    if "per_gpu_allclose" in r:
+        assert all(r["per_gpu_allclose"]), r
