@@ -258,6 +258,8 @@ def generation(args):
                 torch.cuda.current_stream().synchronize()
                 a_fwd_done.set()
                 assert b_done.wait(300), "B did not finish"
+                manager = threadgraph._compat.cudagraph_trees().get_manager(0, create_if_none_exists=False)
+                box["a_sees_new_generation"] = bool(manager.in_new_torch_compile_invocation())
             loss.backward()
             opt.step()
             if i < warm:
@@ -300,7 +302,8 @@ def generation(args):
     tb.start()
     ta.join(300)
     tb.join(300)
-    out = {"variant": args.variant, "errors": {k: v for k, v in box.items() if k.endswith("_error")}}
+    out = {"variant": args.variant, "errors": {k: v for k, v in box.items() if k.endswith("_error")},
+           "a_sees_new_generation": box.get("a_sees_new_generation")}
     if "a" in box and "reference" in box:
         out["grads_equal"] = bool(torch.allclose(box["a"], box["reference"], rtol=1e-4, atol=1e-6))
         out["max_abs_diff"] = float((box["a"] - box["reference"]).abs().max())
@@ -318,7 +321,10 @@ def _steady_seconds(workers):
 
 
 def many(args):
-    """N training workers on one GPU vs each alone, and vs the same workers in eager threads."""
+    """N training workers on one GPU vs each alone, and vs the same workers in eager threads.
+    ``--variant unpatched`` leaves the generation patches out (hazard 1 shows)."""
+    if args.variant == "unpatched":
+        threadgraph.install(exclude=threadgraph._patches.GENERATION_PATCHES)
     n, steps = args.workers, args.steps
     alone = []
     for i in range(n):
@@ -329,9 +335,14 @@ def many(args):
     wall = run_group(together)
     eager = [Trainer("cuda:0", i, steps, mode="eager", name=f"eager-{i}") for i in range(n)]
     eager_wall = run_group(eager)
+    again = Trainer("cuda:0", 1 % n, steps, name="alone-again")
+    run_group([again])
     return {
         "workers": n,
         "steps": steps,
+        "variant": args.variant,
+        "divergence": [_divergence(t.result()["losses"], a.result()["losses"]) for t, a in zip(together, alone)],
+        "alone_twice_equal": again.result()["losses"] == alone[1 % n].result()["losses"],
         "losses_allclose": [
             bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6))
             for t, a in zip(together, alone)
@@ -450,6 +461,14 @@ def two_gpus(args):
 
 def _close(a, b) -> bool:
     return bool(torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-4, atol=1e-6))
+
+
+def _divergence(a, b) -> dict:
+    """Where two loss curves part: first step off by more than the tolerance, and the worst gap."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    bad = ~torch.isclose(a, b, rtol=1e-4, atol=1e-6)
+    first = int(bad.nonzero()[0]) if bad.any() else None
+    return {"first_bad_step": first, "max_abs_diff": float((a - b).abs().max()), "max_rel_diff": float(((a - b).abs() / b.abs().clamp(min=1e-12)).max())}
 
 
 def manual_floor(steps: int) -> float:

@@ -143,3 +143,10 @@ def test_exclude_leaves_named_patches_out_and_rejects_unknown_names(clean_patche
     assert "worker_mark_step" not in applied and "worker_generation" in applied
     with pytest.raises(ValueError, match="no patch named"):
         threadgraph.install(exclude={"nonsense"})
+
+
+def test_an_exclusion_holds_for_later_installs_until_uninstall(clean_patches):
+    threadgraph.install(exclude={"worker_mark_step"})
+    assert "worker_mark_step" not in threadgraph.install()  # e.g. a worker starting later
+    threadgraph.uninstall()
+    assert "worker_mark_step" in threadgraph.install()

@@ -150,7 +150,7 @@ class Run:
 
     def _record(self, record: dict) -> None:
         if self.metrics is not None:
-            self.metrics.log(record)
+            self.metrics.log(**record)
         if self.progress is not None:
             self.progress(record)
 

@@ -46,6 +46,7 @@ class Registry:
     def __init__(self, patches: list[Patch]) -> None:
         self._patches = {p.name: p for p in patches}
         self._originals: dict[str, tuple[Any, str, Any]] = {}
+        self._excluded: frozenset = frozenset()  # stays left out until uninstall()
         self._lock = threading.RLock()
 
     def install(self, exclude: frozenset = frozenset()) -> list[str]:
@@ -55,8 +56,9 @@ class Registry:
             raise ValueError(f"threadgraph: no patch named {sorted(unknown)}; known: {sorted(self._patches)}")
         applied = []
         with self._lock:
+            self._excluded |= frozenset(exclude)
             for patch in self._patches.values():
-                if patch.name in self._originals or patch.name in exclude or not patch.applies():
+                if patch.name in self._originals or patch.name in self._excluded or not patch.applies():
                     continue
                 owner, attribute = patch.owner_and_attribute()
                 original = vars(owner)[attribute]
@@ -72,6 +74,7 @@ class Registry:
         """Put every original back, in reverse order; returns the names removed."""
         removed = []
         with self._lock:
+            self._excluded = frozenset()
             for name in reversed(list(self._originals)):
                 owner, attribute, original = self._originals.pop(name)
                 setattr(owner, attribute, original)

@@ -85,6 +85,11 @@ def _reference(kind: str) -> torch.Tensor:
 
 def check(kind: str) -> dict:
     """Run one check in this process; returns a JSON-able verdict."""
+    from ._patches import install
+
+    # Before anything compiles: a graph compiled before install() keeps upstream's binding to
+    # the compiling thread's tree manager (the reference below compiles the same code).
+    install()
     reference = _reference(kind)
     worker = _Worker(kind)
     WorkerGroup([worker]).start().join(600)

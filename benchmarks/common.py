@@ -1,0 +1,243 @@
+"""Shared pieces of the benchmark scripts: environment header, the small model, timing,
+tables, JSON and plots. Benchmarks print numbers; they never assert on them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled threadgraph
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+WIDTH, DEPTH, BATCH = 512, 24, 16  # the launch-bound model of torch-threading-hazards.md section 3
+CPU_WIDTH, CPU_DEPTH = 128, 6  # CPU reduced form
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def environment() -> dict:
+    """Hardware and versions, for the report header."""
+    gpus = torch.cuda.device_count() if on_gpu() else 0
+    return {
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        "host": platform.node(),
+    }
+
+
+def header_lines(env: dict) -> list[str]:
+    device = f"{env['gpus']} x {env['gpu']}" if env["gpu"] else "no GPU: CPU reduced form"
+    return [f"- device: {device}", f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}",
+            f"- {env['cpus']} CPUs, {env['date']}"]
+
+
+def results_stem(env: dict, suffix: str = "") -> str:
+    """`<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>` plus an optional suffix."""
+    device = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") if env["gpu"] else "cpu"
+    version = env["torch"].split("+")[0]
+    return f"{device}_torch{version}_{env['date']}{suffix}"
+
+
+def results_dir(out_dir: Optional[str]) -> Path:
+    path = Path(out_dir) if out_dir else RESULTS
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -- the small launch-bound model -----------------------------------------------------------------
+
+_init_lock = threading.Lock()
+
+
+def allow_recompiles() -> None:
+    """Every thread compiles the same code for its own model; Dynamo counts those as recompiles.
+    Dynamo config is per thread from torch 2.12, so each thread calls this."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
+def small_model(seed: int, device, width: int = WIDTH, depth: int = DEPTH) -> torch.nn.Module:
+    """depth x [Linear, GELU, LayerNorm]; bf16 on GPU, float32 on CPU. Seeded init draws from the
+    process-global generator, so threads build one model at a time."""
+    allow_recompiles()
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with _init_lock:
+        torch.manual_seed(seed)
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
+        model = torch.nn.Sequential(*layers)
+    return model.to(device=device, dtype=dtype)
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Per-step times: CUDA events on the current stream (GPU) or perf_counter (CPU).
+
+    Events are resolved in ``finish()``, so timing adds no host sync inside the loop. ``window``
+    is the wall time from ``begin()`` to ``finish()``, for aggregate throughput."""
+
+    def __init__(self, device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.pairs: list = []
+        self.ms: list[float] = []
+        self._start = None
+        self.t0 = self.t1 = None
+
+    def begin(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pairs.append((self._start, end))
+        else:
+            self.ms.append((time.perf_counter() - self._start) * 1e3)
+
+    def finish(self) -> list[float]:
+        sync()
+        self.t1 = time.perf_counter()
+        self.ms += [a.elapsed_time(b) for a, b in self.pairs]
+        self.pairs = []
+        return self.ms
+
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.current_stream().synchronize()
+
+
+def p50(ms: Sequence[float]) -> Optional[float]:
+    return statistics.median(ms) if ms else None
+
+
+def p90(ms: Sequence[float]) -> Optional[float]:
+    if not ms:
+        return None
+    ordered = sorted(ms)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+class BusyProbe:
+    """GPU-busy fraction: union of GPU activity intervals / wall time between ``start()`` and
+    ``stop()``, under torch.profiler (CUDA activity only; CUPTI sees every thread's kernels,
+    autograd's backward thread included). ``stop()`` returns None without a GPU. Profiling adds
+    some launch cost, so read the fraction as a lower bound."""
+
+    def start(self) -> None:
+        self.prof = None
+        if not on_gpu():
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        sync()
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> Optional[float]:
+        if self.prof is None:
+            return None
+        from torch.autograd import DeviceType
+
+        sync()
+        wall_us = (time.perf_counter() - self.t0) * 1e6
+        self.prof.__exit__(None, None, None)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in self.prof.events()
+                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        busy, end = 0.0, float("-inf")
+        for a, b in spans:  # merge overlapping intervals (several streams)
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        return busy / wall_us if wall_us else None
+
+
+# -- reports --------------------------------------------------------------------------------------
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:
+    """Grouped bars: ``groups[panel][configuration][mode] = per-thread p50 ms``, one panel each."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    panels = [p for p in groups if groups[p]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        configs = list(groups[panel])
+        modes = list(dict.fromkeys(m for c in configs for m in groups[panel][c]))
+        width = 0.8 / max(1, len(modes))
+        for j, mode in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(configs))]
+            ys = [groups[panel][c].get(mode) or 0.0 for c in configs]
+            ax.bar(xs, ys, width, label=mode)
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels(configs, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("per-thread step, p50 (ms)")
+        ax.set_title(panel)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

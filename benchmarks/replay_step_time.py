@@ -1,0 +1,546 @@
+"""Per-thread step time of a training step and an inference step, by compile mode and placement.
+
+    python benchmarks/replay_step_time.py                 # GPU: everything (several minutes)
+    python benchmarks/replay_step_time.py --quick         # fewer steps, no process placements
+    python benchmarks/replay_step_time.py --model dflash --tasks train --modes eager,reduce-overhead
+
+Modes: eager; compile (torch.compile default mode); reduce-overhead (CUDAGraph Trees, in
+threads through threadgraph.CompiledWorkerThread); whole-step (threadgraph.capture_step: one
+CUDA graph of forward + backward + optimizer step). Placements: the main thread alone; one worker
+thread; N workers one per GPU (N > 1); M workers sharing one GPU (--share); and the same work as
+torch.multiprocessing (spawn) processes, which is what people use instead of threads.
+
+Every (mode, placement) cell runs in its own subprocess (``--cell``, internal), so a failed
+capture costs one error row and the rest carry on. Without a GPU it runs a CPU reduced form
+(a smaller model, eager and compile only); those numbers say nothing about CUDA graphs.
+Warmup steps (which include compilation and capture) are excluded from every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+MODES = ("eager", "compile", "reduce-overhead", "whole-step")
+CPU_MODES = ("eager", "compile")
+TASKS = ("train", "infer")
+TASK_TITLES = {"train": "Training step (forward + backward + optimizer)", "infer": "Inference step (forward)"}
+BARRIER_TIMEOUT_S = 900
+CPU_THREADS_NOTE = ("one intra-op thread per process (torch.set_num_threads(1)): OpenMP pools of several threads "
+                    "oversubscribe small CPUs and turn contention into 100x outliers")
+
+
+# -- what one step does ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Work:
+    module: torch.nn.Module
+    train_fn: Callable  # (*train_inputs) -> loss, or (loss, ...)
+    train_inputs: tuple
+    infer_fn: Callable  # (*infer_inputs) -> outputs
+    infer_inputs: tuple
+    make_opt: Callable[[bool], torch.optim.Optimizer]  # capturable -> optimizer
+
+
+def small_work(device: torch.device, seed: int) -> Work:
+    width, depth = (common.WIDTH, common.DEPTH) if device.type == "cuda" else (common.CPU_WIDTH, common.CPU_DEPTH)
+    model = common.small_model(seed, device, width, depth)
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(common.BATCH, width, generator=g).to(device, dtype)
+    y = torch.randn(common.BATCH, width, generator=g).to(device, dtype)
+    return Work(model, lambda x, y: F.mse_loss(model(x), y), (x, y), lambda x: model(x), (x,),
+                lambda capturable: torch.optim.SGD(model.parameters(), lr=1e-3))
+
+
+DFLASH_SIZES = {  # the drafter training step of examples/dflash_trainer, static random inputs
+    "cuda": dict(hidden=1024, heads=8, kv_heads=4, head_dim=128, intermediate=3072, vocab=32000, layers=8,
+                 batch=4, seq=512, anchors=32, block=16),
+    "cpu": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=1024, layers=8,
+                batch=2, seq=64, anchors=4, block=8),
+}
+
+
+def _qwen3_config(s: dict):
+    kw = dict(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+              head_dim=s["head_dim"], intermediate_size=s["intermediate"], vocab_size=s["vocab"],
+              num_hidden_layers=s["layers"])
+    try:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**kw)
+    except ImportError:  # from_target_config only reads attributes
+        return __import__("types").SimpleNamespace(rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+
+
+def dflash_work(device: torch.device, seed: int) -> Work:
+    from examples.dflash_trainer.config import TrainConfig
+    from examples.dflash_trainer.loss import sample_anchors
+    from examples.dflash_trainer.model import DFlashDrafter
+    from examples.dflash_trainer.step import make_step_fn
+
+    common.allow_recompiles()
+    s = DFLASH_SIZES[device.type]
+    cfg = TrainConfig(block_size=s["block"], num_anchors=s["anchors"], seq_len=s["seq"], batch_size=s["batch"])
+    n, cuda = cfg.num_feature_layers, device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with common._init_lock:  # seeded init draws from the global generator
+        torch.manual_seed(seed)
+        embed = torch.nn.Embedding(s["vocab"], s["hidden"])
+        lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False)
+        drafter = DFlashDrafter.from_target_config(_qwen3_config(s), embed, lm_head, cfg.num_draft_layers, n)
+    embed.to(device, dtype).requires_grad_(False)  # Module.to is in place: the drafter sees the moved ones
+    lm_head.to(device, dtype).requires_grad_(False)
+    drafter.to(device)
+    g = torch.Generator().manual_seed(1000 + seed)
+    ids = torch.randint(0, s["vocab"] - 1, (s["batch"], s["seq"]), generator=g)
+    loss_mask = torch.ones_like(ids)
+    features = torch.randn(s["batch"], s["seq"], n * s["hidden"], generator=g).to(dtype)
+    anchors, keep = sample_anchors(loss_mask, s["anchors"], g)
+    inputs = tuple(t.to(device) for t in (ids, loss_mask, features, anchors, keep))
+    fn = make_step_fn(drafter, block_size=s["block"], gamma=cfg.gamma_value, mask_token_id=s["vocab"] - 1,
+                      autocast_dtype=torch.bfloat16 if cuda else None)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def make_opt(capturable: bool) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), capturable=capturable and cuda)
+
+    return Work(drafter, fn, inputs, fn, inputs, make_opt)
+
+
+def _loss(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def make_step(mode: str, task: str, work: Work, whole_step_inner: str = "eager") -> Callable[[], object]:
+    """A no-argument step on static inputs; built in the thread that will run it."""
+    compile_mode = {"compile": None, "reduce-overhead": "reduce-overhead"}.get(mode)
+    if task == "infer":
+        work.module.eval()
+        infer_fn, inputs = work.infer_fn, work.infer_inputs
+
+        def forward(*args):
+            with torch.no_grad():
+                return infer_fn(*args)
+
+        if mode == "whole-step":
+            import threadgraph
+
+            inner = torch.compile(forward) if whole_step_inner == "compile" else forward
+            graph = threadgraph.capture_step(inner)
+            return lambda: graph(*inputs)
+        fn = forward if mode == "eager" else torch.compile(forward, mode=compile_mode)
+        return lambda: fn(*inputs)
+
+    train_fn, inputs = work.train_fn, work.train_inputs
+    opt = work.make_opt(mode == "whole-step")
+    if mode == "whole-step":
+        import threadgraph
+
+        inner = torch.compile(train_fn) if whole_step_inner == "compile" else train_fn
+
+        def train_step(*args):
+            loss = _loss(inner(*args))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        graph = threadgraph.capture_step(train_step)
+        return lambda: graph(*inputs)
+    fn = train_fn if mode == "eager" else torch.compile(train_fn, mode=compile_mode)
+
+    def step():
+        loss = _loss(fn(*inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+# -- placements -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    model: str
+    mode: str
+    task: str
+    warmup: int
+    steps: int
+    profile: int  # steps of the GPU-busy window after the timed steps (0 = none)
+    whole_step_inner: str
+
+    def build(self, device: torch.device, seed: int) -> Callable[[], object]:
+        work = (dflash_work if self.model == "dflash" else small_work)(device, seed)
+        return make_step(self.mode, self.task, work, self.whole_step_inner)
+
+
+def placements(args, every: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(key, label, devices: one entry per worker); ``every`` ignores --placements and --quick."""
+    gpus = torch.cuda.device_count() if common.on_gpu() else 0
+    dev0 = "cuda:0" if gpus else "cpu"
+    m = args.share
+    out = [("main", "main thread", [dev0]), ("worker", "1 worker thread", [dev0])]
+    if gpus > 1:
+        out.append(("per-gpu", f"{gpus} workers, one per GPU", [f"cuda:{i}" for i in range(gpus)]))
+    out.append(("shared", f"{m} workers, one {'GPU' if gpus else 'CPU'}", [dev0] * m))
+    if gpus > 1:
+        out.append(("procs-per-gpu", f"{gpus} processes, one per GPU", [f"cuda:{i}" for i in range(gpus)]))
+    out.append(("procs-shared", f"{m} processes, one {'GPU' if gpus else 'CPU'}", [dev0] * m))
+    if every:
+        return out
+    if args.placements:
+        wanted = args.placements.split(",")
+        out = [p for p in out if p[0] in wanted]
+    elif args.quick:
+        out = [p for p in out if not p[0].startswith("procs")]
+    return out
+
+
+def timed_result(timer: common.StepTimer, busy: Optional[float] = None) -> dict:
+    return {"ms": timer.ms, "t0": timer.t0, "t1": timer.t1, "gpu_busy": busy}
+
+
+def run_main_thread(plan: Plan, device: str) -> list[dict]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    step = plan.build(device, 0)
+    mark = torch.compiler.cudagraph_mark_step_begin
+    for _ in range(plan.warmup):
+        mark()
+        step()
+    common.sync()
+    timer = common.StepTimer(device)
+    timer.begin()
+    for _ in range(plan.steps):
+        mark()
+        timer.start()
+        step()
+        timer.stop()
+    timer.finish()
+    busy = None
+    if plan.profile:
+        probe = common.BusyProbe()
+        probe.start()
+        for _ in range(plan.profile):
+            mark()
+            step()
+        busy = probe.stop()
+    return [timed_result(timer, busy)]
+
+
+def run_threads(plan: Plan, devices: list[str]) -> list[dict]:
+    import threadgraph
+
+    barrier = threading.Barrier(len(devices))
+
+    class BenchWorker(threadgraph.CompiledWorkerThread):
+        def setup(self):
+            self.work = plan.build(self.device, self.seed)
+            self.timer = common.StepTimer(self.device)
+            self.probe = common.BusyProbe()
+            self.busy = None
+
+        def step(self):
+            i, w, n, p = self.stats.steps, plan.warmup, plan.steps, plan.profile
+            if i == w:  # everyone starts timing together, after every warmup (and capture) is done
+                common.sync()
+                with threadgraph.released():
+                    barrier.wait(BARRIER_TIMEOUT_S)
+                self.timer.begin()
+            if i < w:
+                self.work()
+            elif i < w + n:
+                self.timer.start()
+                self.work()
+                self.timer.stop()
+                if i == w + n - 1:
+                    self.timer.finish()
+            else:
+                if i == w + n:
+                    self.probe.start()
+                self.work()
+                if i == w + n + p - 1:
+                    self.busy = self.probe.stop()
+
+    workers = []
+    for k, dev in enumerate(devices):
+        worker = BenchWorker(dev, name=f"bench-{k}", warmup_steps=plan.warmup,
+                             max_steps=plan.warmup + plan.steps + plan.profile)
+        worker.seed = k
+        workers.append(worker)
+    group = threadgraph.WorkerGroup(workers)
+    group.on_failure(lambda exc: barrier.abort())
+    group.start()
+    group.join()
+    return [timed_result(w.timer, w.busy) for w in workers]
+
+
+def _process_entry(rank: int, plan: Plan, devices: list[str], barrier, out_dir: str) -> None:
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    step = plan.build(device, rank)
+    mark = torch.compiler.cudagraph_mark_step_begin
+    for _ in range(plan.warmup):
+        mark()
+        step()
+    common.sync()
+    barrier.wait(BARRIER_TIMEOUT_S)
+    timer = common.StepTimer(device)
+    timer.begin()
+    for _ in range(plan.steps):
+        mark()
+        timer.start()
+        step()
+        timer.stop()
+    timer.finish()  # t0/t1 are CLOCK_MONOTONIC, comparable across processes on Linux
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(timed_result(timer)))
+
+
+def run_processes(plan: Plan, devices: list[str]) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    barrier = mp.get_context("spawn").Barrier(len(devices))
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_process_entry, args=(dataclasses.replace(plan, profile=0), devices, barrier, tmp),
+                 nprocs=len(devices), join=True)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(len(devices))]
+
+
+def summarize(results: list[dict]) -> dict:
+    p50s = [common.p50(r["ms"]) for r in results]
+    p90s = [common.p90(r["ms"]) for r in results]
+    steps = sum(len(r["ms"]) for r in results)
+    window = max(r["t1"] for r in results) - min(r["t0"] for r in results)
+    busy = [r["gpu_busy"] for r in results if r.get("gpu_busy") is not None]
+    return {
+        "p50_ms": sum(p50s) / len(p50s),
+        "p90_ms": sum(p90s) / len(p90s),
+        "per_worker_p50_ms": p50s,
+        "steps_per_s": steps / window if window > 0 else None,
+        "gpu_busy": busy[0] if len(busy) == 1 else None,
+    }
+
+
+def run_cell(args, mode: str, placement: str) -> list[dict]:
+    key, label, devices = next(p for p in placements(args, every=True) if p[0] == placement)
+    rows = []
+    for task in args.tasks.split(","):
+        profile = args.profile_steps if key in ("main", "worker") and common.on_gpu() else 0
+        plan = Plan(args.model, mode, task, args.warmup, args.steps, profile, args.whole_step_inner)
+        row = {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": len(devices)}
+        started = time.perf_counter()
+        try:
+            if key == "main":
+                results = run_main_thread(plan, devices[0])
+            elif key.startswith("procs"):
+                results = run_processes(plan, devices)
+            else:
+                results = run_threads(plan, devices)
+            row.update(summarize(results))
+        except Exception as exc:  # an error row; the next task still runs (it may fail the same way)
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            cause = exc.__cause__
+            if cause is not None:
+                row["error"] += f" (cause: {type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        rows.append(row)
+        print(f"  {task}: {row.get('p50_ms', row.get('error'))}", file=sys.stderr, flush=True)
+    return rows
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+def run_all(args) -> list[dict]:
+    import threadgraph
+
+    gpu = common.on_gpu()
+    modes = args.modes.split(",") if args.modes else list(MODES if gpu else CPU_MODES)
+    rows = []
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        skip = None
+        if not gpu and mode not in CPU_MODES:
+            skip = "needs CUDA (CPU reduced form runs eager and compile only)"
+        elif mode == "whole-step" and not hasattr(threadgraph, "capture_step"):
+            skip = "not available: this threadgraph has no capture_step"
+        if skip:
+            rows += [{"task": t, "placement": "-", "configuration": "-", "mode": mode, "workers": None, "note": skip}
+                     for t in args.tasks.split(",")]
+            continue
+        for key, label, devices in placements(args):
+            print(f"[{mode} / {label}]", file=sys.stderr, flush=True)
+            rows += run_cell_subprocess(args, mode, key, label, len(devices))
+    return rows
+
+
+def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "cell.json")
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", mode, key, "--cell-out", str(out)]
+        error = None
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout)
+            sys.stderr.write(proc.stderr[-2000:] if proc.returncode else "".join(
+                line + "\n" for line in proc.stderr.splitlines() if line.startswith("  ")))
+            if out.exists():
+                return json.loads(out.read_text())
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            error = f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {args.cell_timeout} s"
+    return [{"task": t, "placement": key, "configuration": label, "mode": mode, "workers": workers, "error": error}
+            for t in args.tasks.split(",")]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    main = {(r["task"], r["mode"]): r.get("p50_ms") for r in rows if r["placement"] == "main"}
+    for r in rows:
+        ref = main.get((r["task"], r["mode"]))
+        r["ratio_vs_main"] = r["p50_ms"] / ref if ref and r.get("p50_ms") else None
+
+
+COLUMNS = ["configuration", "mode", "workers", "per-thread p50 ms", "p90 ms", "aggregate steps/s",
+           "ratio vs main-thread same mode", "GPU-busy", "note"]
+
+
+def table_rows(rows: list[dict], task: str) -> list[list]:
+    out = []
+    for r in rows:
+        if r["task"] != task:
+            continue
+        note = r.get("note") or (f"error: {r['error']}" if r.get("error") else "")
+        out.append([r["configuration"], r["mode"], r["workers"], r.get("p50_ms"), r.get("p90_ms"),
+                    r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), note.replace("|", "/")])
+    return out
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """The issue's targets, as numbers next to their thresholds (printed, never asserted)."""
+    def get(task, placement, mode, field):
+        return next((r.get(field) for r in rows if (r["task"], r["placement"], r["mode"]) == (task, placement, mode)), None)
+
+    lines = []
+    for mode in ("reduce-overhead", "whole-step"):
+        alone, per_gpu = get("train", "worker", mode, "p50_ms"), get("train", "per-gpu", mode, "p50_ms")
+        if alone and per_gpu:
+            lines.append(f"- N workers one per GPU / 1 worker alone, per-thread step, {mode}: {per_gpu / alone:.2f}x (target <= 1.05)")
+        shared, eager = get("train", "shared", mode, "steps_per_s"), get("train", "shared", "eager", "steps_per_s")
+        if shared and eager:
+            lines.append(f"- M workers sharing one GPU, aggregate {mode} / eager threads: {shared / eager:.2f}x (target >= 2)")
+        for placement in ("main", "worker"):
+            for task in TASKS:
+                busy = get(task, placement, mode, "gpu_busy")
+                if busy is not None:
+                    lines.append(f"- GPU-busy, {task}, {placement}, {mode}: {busy:.2f} (target >= 0.9)")
+    return lines or ["- n/a: the targets are about CUDA graphs on GPUs; this run has none of the rows they need"]
+
+
+def report(args, env: dict, rows: list[dict]) -> str:
+    form = "GPU" if env["gpu"] else "CPU reduced form (smaller model; says nothing about CUDA graphs)"
+    model = {"small": f"{common.DEPTH} x [Linear {common.WIDTH}, GELU, LayerNorm], batch {common.BATCH}, bf16"
+             if env["gpu"] else f"{common.CPU_DEPTH} x [Linear {common.CPU_WIDTH}, GELU, LayerNorm], batch {common.BATCH}, float32",
+             "dflash": f"DFlash drafter step, {DFLASH_SIZES['cuda' if env['gpu'] else 'cpu']}"}[args.model]
+    timing = "CUDA events" if env["gpu"] else "perf_counter"
+    lines = [f"# Replay step time: {form}", "", *common.header_lines(env), f"- model: {model}",
+             f"- {args.steps} timed steps per thread after {args.warmup} warmup steps (compile and capture are in the "
+             f"warmup and excluded); per-step times by {timing}; GPU-busy over {args.profile_steps} further profiled steps",
+             *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]), ""]
+    for task in args.tasks.split(","):
+        lines += [f"## {TASK_TITLES[task]}", "", common.markdown_table(COLUMNS, table_rows(rows, task)), ""]
+    lines += ["## Targets", "", *target_lines(rows), ""]
+    return "\n".join(lines)
+
+
+def plot_groups(rows: list[dict], tasks: list[str]) -> dict:
+    groups: dict = {TASK_TITLES[t]: {} for t in tasks}
+    for r in rows:
+        if r.get("p50_ms") is not None:
+            groups[TASK_TITLES[r["task"]]].setdefault(r["configuration"], {})[r["mode"]] = r["p50_ms"]
+    return groups
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, help="timed steps per thread (default 300 on GPU, 40 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, compile and capture included (default 20; CPU 5)")
+    p.add_argument("--model", choices=("small", "dflash"), default="small")
+    p.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default: all; CPU: eager,compile)")
+    p.add_argument("--tasks", default="train,infer", help="comma list of train, infer")
+    p.add_argument("--placements", help="comma list of main, worker, per-gpu, shared, procs-per-gpu, procs-shared")
+    p.add_argument("--share", type=int, default=3, help="M, the workers (and processes) sharing one device")
+    p.add_argument("--profile-steps", type=int, default=20, help="steps in the GPU-busy window")
+    p.add_argument("--whole-step-inner", choices=("eager", "compile"), default="eager",
+                   help="what capture_step captures: the eager step or a torch.compile(default) one")
+    p.add_argument("--quick", action="store_true", help="few steps, no process placements (CI smoke test)")
+    p.add_argument("--cell-timeout", type=int, default=600, help="seconds per (mode, placement) subprocess")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    p.add_argument("--cell", nargs=2, metavar=("MODE", "PLACEMENT"), help=argparse.SUPPRESS)
+    p.add_argument("--cell-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    gpu = common.on_gpu()
+    if args.steps is None:
+        args.steps = (50 if args.quick else 300) if gpu else (15 if args.quick else 40)
+    if args.warmup is None:
+        args.warmup = (10 if args.quick else 20) if gpu else (3 if args.quick else 5)
+    if args.quick and args.profile_steps == 20:
+        args.profile_steps = 5
+    unknown = set(args.tasks.split(",")) - set(TASKS)
+    if unknown:
+        p.error(f"unknown tasks {sorted(unknown)}; use train, infer")
+    if args.warmup < 3 or args.steps < 1 or args.share < 1:
+        p.error("need --warmup >= 3 (compile and capture happen there), --steps >= 1, --share >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cell:
+        if not common.on_gpu():
+            torch.set_num_threads(1)  # see CPU_THREADS_NOTE
+        Path(args.cell_out).write_text(json.dumps(run_cell(args, *args.cell)))
+        return 0
+    env = common.environment()
+    started = time.perf_counter()
+    rows = run_all(args)
+    add_ratios(rows)
+    text = report(args, env, rows)
+    print(text)
+    out = common.results_dir(args.out_dir)
+    stem = common.results_stem(env, "" if args.model == "small" else "_dflash-step")
+    common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
+                                             "seconds": round(time.perf_counter() - started, 1), "rows": rows})
+    (out / f"{stem}.md").write_text(text)
+    common.bar_plot(out / f"{stem}.png", plot_groups(rows, args.tasks.split(",")),
+                    f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
+    print(f"\nwrote {out / stem}.{{json,md,png}}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
