@@ -251,3 +251,30 @@ def test_cuda_handoff_across_devices():
             assert out["x"].device == dst
             total = out["x"].sum()
     assert total.item() == 3.0 * (1 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_source_memory_not_reused_while_consumer_reads_it():
+    # record_stream's job: on one device get() hands over the producer's own tensor
+    # (no copy). When the consumer drops it, the allocator must not give its block to
+    # the producer's next tensor before the consumer's (late) kernels have read it.
+    ch = Channel(2)
+    producer_stream, consumer_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    n = 1 << 20
+    with torch.cuda.stream(producer_stream):
+        x = torch.full((n,), 3.0, device="cuda")
+        ch.put({"x": x})
+    del x
+    with torch.cuda.stream(consumer_stream):
+        torch.cuda._sleep(1_000_000_000)  # the consumer's read runs late
+        out = ch.get(timeout=5, device="cuda")
+        z = out["x"] * 1.0
+    del out  # the consumer drops the batch; its read above is still queued
+    with torch.cuda.stream(producer_stream):
+        y = torch.empty(n, device="cuda")
+        y.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert bool((z == 3.0).all())

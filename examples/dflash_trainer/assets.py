@@ -46,6 +46,8 @@ from typing import Iterator
 
 import torch
 
+__all__ = ["BuildSpec", "DefaultAssets", "default_assets", "default_cache_root"]
+
 logger = logging.getLogger(__name__)
 
 # Bump when the build recipe changes in a way that makes old caches wrong.

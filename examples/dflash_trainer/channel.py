@@ -10,7 +10,8 @@ finished values although no one called ``synchronize``. The source tensors are
 hand their memory to the producer again before the consumer's copy has run.
 
 Ownership: after ``put`` the producer must not write to the item's tensors again
-(the consumer may still be reading them asynchronously); allocate new ones.
+(the consumer may still be reading them asynchronously); allocate new ones. On the
+source device itself ``get`` hands over the very same tensors (no copy).
 
 Lifecycle: ``close()`` is a graceful end (puts fail, gets drain what is queued and
 then fail); ``fail(exc)`` is an abort (queued items are dropped and every blocked

@@ -44,10 +44,11 @@ class OrderedInbox:
             return self.channel.get(device=device)
 
     def fail(self, error: BaseException) -> None:
+        # The channel first: a producer blocked in channel.put holds _turn until it is woken.
+        self.channel.fail(error)
         with self._turn:
             self._error = error
             self._turn.notify_all()
-        self.channel.fail(error)
 
 
 class GradientAverager:

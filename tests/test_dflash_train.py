@@ -1,0 +1,158 @@
+"""End-to-end CPU tests of the threaded DFlash trainer: 5 target + 3 drafter threads."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.config import TrainConfig
+from examples.dflash_trainer.routing import GradientAverager
+from examples.dflash_trainer.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
+
+
+def tiny_config(assets, out_dir, **overrides):
+    values = dict(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
+                  block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
+                  max_steps=12, eval_every=0, checkpoint_every=0, out_dir=str(out_dir), lr=3e-3)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_path):
+    result = train(tiny_config(tiny_assets, tmp_path, max_steps=20, eval_every=20, eval_prompts=2, eval_max_new_tokens=8))
+    losses = result["losses"]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    names = sorted(result["workers"])
+    assert names == [f"drafter-{i}" for i in range(3)] + [f"target-{i}" for i in range(5)]
+    assert all(w["steps"] >= 1 for w in result["workers"].values())
+    assert result["eval"]["tau"] >= 1.0 and "tau_random_init" in result["baseline"]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert any("loss" in json.loads(line) for line in lines)
+
+
+def test_runs_are_deterministic_whatever_the_thread_timing(tiny_assets, tmp_path):
+    a = train(tiny_config(tiny_assets, tmp_path / "a", max_steps=6))["losses"]
+    b = train(tiny_config(tiny_assets, tmp_path / "b", max_steps=6))["losses"]
+    assert a == b
+
+
+def test_resume_continues_with_the_same_losses(tiny_assets, tmp_path):
+    full = train(tiny_config(tiny_assets, tmp_path / "full", max_steps=12))["losses"]
+    train(tiny_config(tiny_assets, tmp_path / "split", max_steps=12, checkpoint_every=5))
+    # as if the run had been killed after its checkpoint at step 5
+    (tmp_path / "split" / "checkpoints" / "latest").write_text("step_00000005\n")
+    resumed = train(tiny_config(tiny_assets, tmp_path / "split", max_steps=12, checkpoint_every=5, resume=True))
+    assert resumed["start_step"] == 5
+    assert resumed["losses"] == pytest.approx(full[5:], rel=1e-5, abs=1e-6)
+
+
+def test_resume_with_different_settings_is_refused(tiny_assets, tmp_path):
+    train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2))
+    with pytest.raises(ValueError, match="different settings"):
+        train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2, resume=True, seq_len=48))
+
+
+def test_nan_loss_stops_with_a_clear_message(tiny_assets, tmp_path, monkeypatch):
+    from examples.dflash_trainer import target as target_module
+
+    real = target_module.TargetModel.features
+
+    def poisoned(self, ids):
+        return real(self, ids) * float("nan")
+
+    monkeypatch.setattr(target_module.TargetModel, "features", poisoned)
+    with pytest.raises(Exception, match="not finite.*lower --lr") as info:
+        train(tiny_config(tiny_assets, tmp_path, max_steps=12))
+    assert "drafter-0" in str(info.value)
+
+
+def test_target_without_data_is_a_clear_error(tiny_assets, tmp_path):
+    with pytest.raises(ValueError, match="--target needs --data"):
+        train(tiny_config(tiny_assets, tmp_path, data=None))
+
+
+def _average_in_threads(grads_per_replica):
+    averager = GradientAverager(len(grads_per_replica))
+    params = []
+    for g in grads_per_replica:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    extras = [None] * len(params)
+
+    def run(i):
+        extras[i] = averager.average(i, [params[i]], torch.tensor([float(i)]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(params))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [p.grad for p in params], extras
+
+
+def test_gradient_average_across_drafter_threads():
+    grads = [torch.randn(5) for _ in range(3)]
+    out, extras = _average_in_threads(grads)
+    expected = sum(grads) / 3
+    for g in out:
+        assert torch.allclose(g, expected)
+    assert all(float(e) == pytest.approx(1.0) for e in extras)
+
+
+def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
+    script = tmp_path / "dist_avg.py"
+    script.write_text(
+        "import os, sys, torch, torch.distributed as dist\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from examples.dflash_trainer.routing import GradientAverager\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "g = torch.Generator().manual_seed(r); grad = torch.randn(7, generator=g)\n"
+        "p = torch.nn.Parameter(torch.zeros(7)); p.grad = grad.clone()\n"
+        "GradientAverager(1).average(0, [p], torch.zeros(1))\n"
+        "torch.save(p.grad, os.environ['OUT_DIR'] + f'/rank{r}.pt')\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, OUT_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grads = [torch.randn(7, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    single, _ = _average_in_threads(grads)  # one process, two replicas, the same gradients
+    for r in range(2):
+        assert torch.allclose(torch.load(tmp_path / f"rank{r}.pt"), single[0], rtol=0, atol=1e-7)
+
+
+def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
+    args = [sys.executable, "-m", "examples.dflash_trainer", "--target", str(tiny_assets.target_dir),
+            "--data", str(tiny_assets.train_jsonl), "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4",
+            "--batch-size", "2", "--num-draft-layers", "1", "--num-target-layers-used", "1", "--max-steps", "100000",
+            "--eval-every", "0", "--checkpoint-every", "0", "--out-dir", str(tmp_path)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)  # polling a file another process writes; not synchronisation between our threads
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "checkpoint saved" in err
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.split("_")[1]) >= 2  # the steps the leader completed before Ctrl-C
