@@ -164,7 +164,8 @@ class DefaultAssets:
 
 
 def default_cache_root() -> Path:
-    """``$THREADGRAPH_CACHE``, else ``$XDG_CACHE_HOME/threadgraph``, else ``~/.cache/threadgraph``."""
+    """``$THREADGRAPH_CACHE``, else ``$XDG_CACHE_HOME/threadgraph``, else
+    ``~/.cache/threadgraph``."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -196,6 +197,8 @@ def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool 
             logger.info("default assets: built by another process while waiting: %s", assets.root)
             return assets
         _remove_leftovers(root, name)
+        logger.info("default assets: building %s once (the default spec takes about 2-4 "
+                    "minutes on 2 CPU cores; later calls load the cache)", assets.root)
         tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

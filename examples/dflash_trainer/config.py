@@ -35,7 +35,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    epochs: int = 1  # paper: 6
+    epochs: int = 6  # paper: 6
     max_steps: int | None = None  # None = as many steps as `epochs` takes
     eval_every: int = 50  # 0 disables periodic eval
     eval_prompts: int = 8
