@@ -165,8 +165,13 @@ class BusyProbe:
         from torch.profiler import ProfilerActivity, profile
 
         sync()
-        self.prof = profile(activities=[ProfilerActivity.CUDA])
-        self.prof.__enter__()
+        try:
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        except Exception as exc:  # a profiler problem costs the GPU-busy figure, not the row
+            print(f"GPU-busy: profiler did not start: {exc!r}", file=sys.stderr)
+            return
+        self.prof = prof
         self.t0 = time.perf_counter()
 
     def stop(self) -> Optional[float]:
@@ -176,9 +181,13 @@ class BusyProbe:
 
         sync()
         wall_us = (time.perf_counter() - self.t0) * 1e6
-        self.prof.__exit__(None, None, None)
-        spans = sorted((e.time_range.start, e.time_range.end) for e in self.prof.events()
-                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        try:
+            self.prof.__exit__(None, None, None)
+            spans = sorted((e.time_range.start, e.time_range.end) for e in self.prof.events()
+                           if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        except Exception as exc:
+            print(f"GPU-busy: profiler failed: {exc!r}", file=sys.stderr)
+            return None
         busy, end = 0.0, float("-inf")
         for a, b in spans:  # merge overlapping intervals (several streams)
             if b > end:

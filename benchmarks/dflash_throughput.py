@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -278,7 +279,9 @@ def main(argv=None) -> int:
         else:
             result = run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
         Path(args.cell_out).write_text(json.dumps(result, default=str))
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: leftover compile/worker threads can abort it
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -339,36 +340,35 @@ def summarize(results: list[dict]) -> dict:
         "p50_ms": sum(p50s) / len(p50s),
         "p90_ms": sum(p90s) / len(p90s),
         "per_worker_p50_ms": p50s,
+        "wall_ms": sum((r["t1"] - r["t0"]) * 1e3 / len(r["ms"]) for r in results) / len(results),
         "steps_per_s": steps / window if window > 0 else None,
         "gpu_busy": busy[0] if len(busy) == 1 else None,
     }
 
 
-def run_cell(args, mode: str, placement: str) -> list[dict]:
+def run_cell(args, mode: str, placement: str, task: str) -> dict:
+    """One (mode, placement, task) in this process; an exception becomes an error row."""
     key, label, devices = next(p for p in placements(args, every=True) if p[0] == placement)
-    rows = []
-    for task in args.tasks.split(","):
-        profile = args.profile_steps if key in ("main", "worker") and common.on_gpu() else 0
-        plan = Plan(args.model, mode, task, args.warmup, args.steps, profile, args.whole_step_inner)
-        row = {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": len(devices)}
-        started = time.perf_counter()
-        try:
-            if key == "main":
-                results = run_main_thread(plan, devices[0])
-            elif key.startswith("procs"):
-                results = run_processes(plan, devices)
-            else:
-                results = run_threads(plan, devices)
-            row.update(summarize(results))
-        except Exception as exc:  # an error row; the next task still runs (it may fail the same way)
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            cause = exc.__cause__
-            if cause is not None:
-                row["error"] += f" (cause: {type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
-        row["seconds"] = round(time.perf_counter() - started, 1)
-        rows.append(row)
-        print(f"  {task}: {row.get('p50_ms', row.get('error'))}", file=sys.stderr, flush=True)
-    return rows
+    profile = args.profile_steps if key in ("main", "worker") and common.on_gpu() else 0
+    plan = Plan(args.model, mode, task, args.warmup, args.steps, profile, args.whole_step_inner)
+    row = {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": len(devices)}
+    started = time.perf_counter()
+    try:
+        if key == "main":
+            results = run_main_thread(plan, devices[0])
+        elif key.startswith("procs"):
+            results = run_processes(plan, devices)
+        else:
+            results = run_threads(plan, devices)
+        row.update(summarize(results), steps=args.steps, warmup=args.warmup)
+    except Exception as exc:
+        traceback.print_exception(exc)  # with the worker's own traceback as the cause
+        row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        cause = exc.__cause__
+        if cause is not None and str(cause) not in row["error"]:
+            row["error"] += f" (cause: {type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    return row
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -393,28 +393,44 @@ def run_all(args) -> list[dict]:
                      for t in args.tasks.split(",")]
             continue
         for key, label, devices in placements(args):
-            print(f"[{mode} / {label}]", file=sys.stderr, flush=True)
-            rows += run_cell_subprocess(args, mode, key, label, len(devices))
+            for task in args.tasks.split(","):
+                row = run_cell_subprocess(args, mode, key, label, len(devices), task)
+                print(f"[{mode} / {label} / {task}] " + (f"p50 {row['p50_ms']:.3f} ms" if row.get("p50_ms") else
+                      f"error: {row.get('error')}"), file=sys.stderr, flush=True)
+                rows.append(row)
     return rows
 
 
-def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int) -> list[dict]:
+def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, task: str) -> dict:
+    """A fresh process per cell: a failed capture can leave CUDA state (the RNG, the allocator) broken."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
-        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", mode, key, "--cell-out", str(out)]
-        error = None
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", mode, key, task, "--cell-out", str(out)]
         try:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout)
-            sys.stderr.write(proc.stderr[-2000:] if proc.returncode else "".join(
-                line + "\n" for line in proc.stderr.splitlines() if line.startswith("  ")))
-            if out.exists():
-                return json.loads(out.read_text())
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            error = f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"
         except subprocess.TimeoutExpired:
             error = f"timed out after {args.cell_timeout} s"
-    return [{"task": t, "placement": key, "configuration": label, "mode": mode, "workers": workers, "error": error}
-            for t in args.tasks.split(",")]
+        else:
+            row = json.loads(out.read_text()) if out.exists() else None
+            if proc.returncode or row is None or row.get("error"):
+                sys.stderr.write(proc.stderr[-4000:])
+            if row is not None:
+                return row
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            error = f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"
+    return {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": workers, "error": error}
+
+
+def merge_previous(path: Path, rows: list[dict]) -> list[dict]:
+    """--append: keep the rows of an earlier run (same file) that this run did not measure again."""
+    if not path.exists():
+        return rows
+    fresh = {(r["task"], r["placement"], r["mode"]) for r in rows}
+    fresh_modes = {(r["task"], r["mode"]) for r in rows if r["placement"] == "-"}
+    old = [r for r in json.loads(path.read_text())["rows"]
+           if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes]
+    order = {p: i for i, p in enumerate(("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared", "-"))}
+    return sorted(old + rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -424,7 +440,7 @@ def add_ratios(rows: list[dict]) -> None:
         r["ratio_vs_main"] = r["p50_ms"] / ref if ref and r.get("p50_ms") else None
 
 
-COLUMNS = ["configuration", "mode", "workers", "per-thread p50 ms", "p90 ms", "aggregate steps/s",
+COLUMNS = ["configuration", "mode", "workers", "per-thread p50 ms", "p90 ms", "wall ms/step", "aggregate steps/s",
            "ratio vs main-thread same mode", "GPU-busy", "note"]
 
 
@@ -435,7 +451,7 @@ def table_rows(rows: list[dict], task: str) -> list[list]:
             continue
         note = r.get("note") or (f"error: {r['error']}" if r.get("error") else "")
         out.append([r["configuration"], r["mode"], r["workers"], r.get("p50_ms"), r.get("p90_ms"),
-                    r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), note.replace("|", "/")])
+                    r.get("wall_ms"), r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), note.replace("|", "/")])
     return out
 
 
@@ -457,6 +473,10 @@ def target_lines(rows: list[dict]) -> list[str]:
                 busy = get(task, placement, mode, "gpu_busy")
                 if busy is not None:
                     lines.append(f"- GPU-busy, {task}, {placement}, {mode}: {busy:.2f} (target >= 0.9)")
+    for mode in MODES:
+        threads, procs = get("train", "shared", mode, "steps_per_s"), get("train", "procs-shared", mode, "steps_per_s")
+        if threads and procs:
+            lines.append(f"- (no target) M threads / M processes sharing one device, aggregate, {mode}: {threads / procs:.2f}x")
     return lines or ["- n/a: the targets are about CUDA graphs on GPUs; this run has none of the rows they need"]
 
 
@@ -468,12 +488,21 @@ def report(args, env: dict, rows: list[dict]) -> str:
     timing = "CUDA events" if env["gpu"] else "perf_counter"
     lines = [f"# Replay step time: {form}", "", *common.header_lines(env), f"- model: {model}",
              f"- {args.steps} timed steps per thread after {args.warmup} warmup steps (compile and capture are in the "
-             f"warmup and excluded); per-step times by {timing}; GPU-busy over {args.profile_steps} further profiled steps",
-             *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]), ""]
-    for task in args.tasks.split(","):
+             f"warmup and excluded); per-thread p50/p90 by {timing} around each step; wall ms/step = the thread's timed "
+             "window / its steps (CUDA events give the GPU-side span of a step, which hides host time when the GPU "
+             "queue is backed up); aggregate = all timed steps / (last end - first start); GPU-busy = GPU activity / "
+             f"wall time over {args.profile_steps} further steps under torch.profiler (main thread and 1 worker only)",
+             *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]),
+             *(["- merged (--append) with earlier runs of the same day: each row's own settings are in the JSON"]
+               if args.append else []), ""]
+    for task in present_tasks(rows):
         lines += [f"## {TASK_TITLES[task]}", "", common.markdown_table(COLUMNS, table_rows(rows, task)), ""]
     lines += ["## Targets", "", *target_lines(rows), ""]
     return "\n".join(lines)
+
+
+def present_tasks(rows: list[dict]) -> list[str]:
+    return [t for t in TASKS if any(r["task"] == t for r in rows)]
 
 
 def plot_groups(rows: list[dict], tasks: list[str]) -> dict:
@@ -497,9 +526,12 @@ def parse_args(argv=None):
     p.add_argument("--whole-step-inner", choices=("eager", "compile"), default="eager",
                    help="what capture_step captures: the eager step or a torch.compile(default) one")
     p.add_argument("--quick", action="store_true", help="few steps, no process placements (CI smoke test)")
-    p.add_argument("--cell-timeout", type=int, default=600, help="seconds per (mode, placement) subprocess")
+    p.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell subprocess")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
-    p.add_argument("--cell", nargs=2, metavar=("MODE", "PLACEMENT"), help=argparse.SUPPRESS)
+    p.add_argument("--append", action="store_true",
+                   help="merge into today's results file, replacing only the cells measured again (to split a "
+                        "GPU run into several commands, e.g. one per --modes)")
+    p.add_argument("--cell", nargs=3, metavar=("MODE", "PLACEMENT", "TASK"), help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -523,20 +555,24 @@ def main(argv=None) -> int:
     if args.cell:
         if not common.on_gpu():
             torch.set_num_threads(1)  # see CPU_THREADS_NOTE
-        Path(args.cell_out).write_text(json.dumps(run_cell(args, *args.cell)))
-        return 0
+        Path(args.cell_out).write_text(json.dumps(run_cell(args, *args.cell)))  # a row
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: leftover compile/profiler threads can abort it
     env = common.environment()
     started = time.perf_counter()
     rows = run_all(args)
+    out = common.results_dir(args.out_dir)
+    stem = common.results_stem(env, "" if args.model == "small" else "_dflash-step")
+    if args.append:
+        rows = merge_previous(out / f"{stem}.json", rows)
     add_ratios(rows)
     text = report(args, env, rows)
     print(text)
-    out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, "" if args.model == "small" else "_dflash-step")
     common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
                                              "seconds": round(time.perf_counter() - started, 1), "rows": rows})
     (out / f"{stem}.md").write_text(text)
-    common.bar_plot(out / f"{stem}.png", plot_groups(rows, args.tasks.split(",")),
+    common.bar_plot(out / f"{stem}.png", plot_groups(rows, present_tasks(rows)),
                     f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
     print(f"\nwrote {out / stem}.{{json,md,png}}", file=sys.stderr)
     return 0

@@ -72,7 +72,13 @@ class Run:
         self.metrics = MetricsLogger(self.out_dir / "metrics.jsonl") if self.rank == 0 else None
         self.results: dict[str, Any] = {"rank": self.rank, "world": self.world, "total_steps": self.total_steps,
                                         "start_step": self.start_step}
+        # Model construction touches process-global state: seeded init draws from torch's global
+        # generator, and transformers' from_pretrained sets torch's *default dtype* while it
+        # builds a model, so a thread building a model while another loads one in bfloat16 gets
+        # bfloat16 and float32 weights mixed ("expected mat1 and mat2 to have the same dtype",
+        # seen on an H200). Workers build their models one at a time under this lock.
         self.init_lock = threading.Lock()
+        self.eval_target: Optional[TargetModel] = None
         self._leader = None
         self._logged = self.start_step
         self._last_log_time = time.perf_counter()
@@ -158,15 +164,13 @@ class Run:
         """Acceptance length tau of the drafter (and, for the baseline, of trivial proposers)."""
         if not self.eval_prompts:
             return {}
-        if not hasattr(self, "_eval_target"):
-            self._eval_target = self.load_target(worker.device)
         cfg = self.config
         args = (self.eval_prompts, cfg.block_size, cfg.eval_max_new_tokens, self.mask_token_id)
         stops = [t for t in (self.tokenizer.eos_token_id,) if t is not None] if self.tokenizer is not None else []
         with torch.autocast(worker.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            result = acceptance_length(self._eval_target, worker.drafter, *args, stop_token_ids=stops)
+            result = acceptance_length(self.eval_target, worker.drafter, *args, stop_token_ids=stops)
             if baseline:
-                repeat = acceptance_length(self._eval_target, repeat_last_token, *args, stop_token_ids=stops)
+                repeat = acceptance_length(self.eval_target, repeat_last_token, *args, stop_token_ids=stops)
                 return {"tau_random_init": result["tau"], "tau_repeat_last_token": repeat["tau"]}
         return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"]}
 

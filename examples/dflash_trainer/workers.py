@@ -27,7 +27,8 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
 
     def setup(self) -> None:
         run = self.run_ctx
-        self.target = run.load_target(self.device)
+        with run.init_lock:  # see Run.init_lock
+            self.target = run.load_target(self.device)
         self.features = run.compile(self.target.features)
         self.stream = run.sample_stream(shard=self.index, num_shards=run.config.targets)
         # Skip what earlier steps consumed: our k-th batch is global batch k*T + index.
@@ -70,14 +71,15 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
 
     def setup(self) -> None:
         run, cfg = self.run_ctx, self.run_ctx.config
-        embed, lm_head = run.load_frozen_heads(self.device)
-        # Identical initial weights in every replica and process. Init draws from torch's global
-        # generator, so replicas build one at a time.
-        with run.init_lock:
+        with run.init_lock:  # see Run.init_lock
+            embed, lm_head = run.load_frozen_heads(self.device)
+            # Identical initial weights in every replica and process (seeded global generator).
             torch.manual_seed(cfg.seed)
             drafter = DFlashDrafter.from_target_config(
                 run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers
             )
+            if self.index == 0 and self.run_ctx.rank == 0 and cfg.eval_every:
+                run.eval_target = run.load_target(self.device)
         self.drafter = drafter.to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

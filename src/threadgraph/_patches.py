@@ -71,7 +71,9 @@ def _per_worker_cudagraphify(wrapped: Callable, instance: Any, args: tuple, kwar
     lock = threading.Lock()
 
     def run(new_inputs: Any) -> Any:
-        key = current_worker() or _NO_WORKER
+        # Python threads get a worker of their own on first use (even when the generation
+        # patches are left out); autograd's threads see their caller's through the stash.
+        key = worker_for_current_thread() or _NO_WORKER
         fn = per_worker.get(key)
         if fn is None:
             with lock:

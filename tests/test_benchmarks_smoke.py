@@ -1,0 +1,95 @@
+"""The benchmark scripts run end to end in their CPU reduced form (numbers are not checked).
+
+Both scripts start together, each in its own subprocess (each uses one intra-op thread per
+process), to stay within CI time on two cores.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def _dflash_skip_reason():
+    try:
+        for name in ("examples.dflash_trainer.train", "examples.dflash_trainer.assets", "transformers", "tokenizers"):
+            importlib.import_module(name)
+    except Exception as exc:  # the trainer may be mid-rewrite; the replay benchmark still runs
+        return f"dflash_throughput.py cannot import its trainer modules: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _start(script, out_dir):
+    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out-dir", str(out_dir)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both scripts, started at once; each test waits for its own."""
+    base = tmp_path_factory.mktemp("bench")
+    skip = _dflash_skip_reason()
+    procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay")}
+    if skip is None:
+        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash"), base / "dflash")
+    yield procs, skip
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args[1]} did not finish in {timeout} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{proc.args[1]} exited {proc.returncode}:\n{err[-3000:]}"
+    return out
+
+
+def _one(out_dir, pattern):
+    found = sorted(out_dir.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} in {out_dir}, found {[p.name for p in found]}"
+    return found[0]
+
+
+def test_replay_step_time_quick(runs):
+    proc, out_dir = runs[0]["replay"]
+    stdout = _finish(proc)
+    assert "| configuration | mode |" in stdout
+    rows = json.loads(_one(out_dir, "cpu_torch*_????-??-??.json").read_text())["rows"]
+    assert not [r for r in rows if r.get("error")], rows
+    measured = [r for r in rows if r.get("p50_ms") is not None]
+    for task in ("train", "infer"):
+        assert {r["mode"] for r in measured if r["task"] == task} >= {"eager", "compile"}
+        assert {r["placement"] for r in measured if r["task"] == task} >= {"main", "worker", "shared"}
+    md = _one(out_dir, "cpu_torch*_????-??-??.md").read_text()
+    assert "| main thread | eager |" in md and "| main thread | compile |" in md
+    assert _one(out_dir, "cpu_torch*_????-??-??.png").stat().st_size > 0
+
+
+def test_dflash_throughput_quick(runs):
+    procs, skip = runs
+    if skip:
+        pytest.skip(skip)
+    proc, out_dir = procs["dflash"]
+    stdout = _finish(proc)
+    assert "threaded / sequential tokens/s" in stdout
+    data = json.loads(_one(out_dir, "cpu_torch*_dflash-throughput.json").read_text())
+    for name in ("threaded", "sequential"):
+        assert "error" not in data[name], data[name]
+        assert data[name]["tokens_per_s"] > 0
+    assert data["ratio"] is not None
+    assert _one(out_dir, "cpu_torch*_dflash-throughput.md").exists()
