@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from threadgraph import _stats
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled threadgraph
@@ -97,42 +99,26 @@ def small_model(seed: int, device, width: int = WIDTH, depth: int = DEPTH) -> to
 # -- timing ---------------------------------------------------------------------------------------
 
 
-class StepTimer:
-    """Per-step times: CUDA events on the current stream (GPU) or perf_counter (CPU).
-
-    Events are resolved in ``finish()``, so timing adds no host sync inside the loop. ``window``
-    is the wall time from ``begin()`` to ``finish()``, for aggregate throughput."""
+class StepTimer(_stats.StepTimer):
+    """threadgraph's per-step timer (CUDA events resolved without host syncs, or perf_counter),
+    plus ``begin()``/``finish()`` wall-clock marks for aggregate throughput."""
 
     def __init__(self, device) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self.pairs: list = []
+        super().__init__(torch.device(device))
         self.ms: list[float] = []
-        self._start = None
         self.t0 = self.t1 = None
 
     def begin(self) -> None:
         self.t0 = time.perf_counter()
 
-    def start(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pairs.append((self._start, end))
-        else:
-            self.ms.append((time.perf_counter() - self._start) * 1e3)
+    def discard(self) -> None:
+        super().discard()
+        self.ms = []
 
     def finish(self) -> list[float]:
+        self.ms = super().finish()
         sync()
         self.t1 = time.perf_counter()
-        self.ms += [a.elapsed_time(b) for a, b in self.pairs]
-        self.pairs = []
         return self.ms
 
 

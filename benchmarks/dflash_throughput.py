@@ -111,7 +111,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     for r in range(rounds):
         if r == warm_rounds:
             common.sync()
-            fwd_timer.ms, step_timer.ms, fwd_timer.pairs, step_timer.pairs = [], [], [], []
+            fwd_timer.discard()
+            step_timer.discard()
             wall.begin()
         torch.compiler.cudagraph_mark_step_begin()
         for i, rep in enumerate(replicas):
