@@ -244,13 +244,17 @@ def generation(args):
     a_fwd_done, b_done = threading.Event(), threading.Event()
     box = {}
 
-    def run_a(interleave):
+    def plain_thread_training(seed):
+        """What a plain thread (no CompiledWorkerThread) sets up: TLS, device, model, compiled loss."""
         threadgraph.ensure_cudagraph_tls()
         torch.cuda.set_device(0)
-        model = make_model(0, "cuda")
+        model = make_model(seed, "cuda")
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         fn = torch.compile(lambda x, y: torch.nn.functional.mse_loss(model(x), y), mode="reduce-overhead")
-        xs, ys = make_data(0, warm + 1, "cuda")
+        return model, opt, fn, *make_data(seed, warm + 1, "cuda")
+
+    def run_a(interleave):
+        model, opt, fn, xs, ys = plain_thread_training(0)
         for i in range(warm + 1):
             torch.compiler.cudagraph_mark_step_begin()
             loss = fn(xs[i], ys[i])
@@ -267,12 +271,7 @@ def generation(args):
         return torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()
 
     def run_b():
-        threadgraph.ensure_cudagraph_tls()
-        torch.cuda.set_device(0)
-        model = make_model(7, "cuda")
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        fn = torch.compile(lambda x, y: torch.nn.functional.mse_loss(model(x), y), mode="reduce-overhead")
-        xs, ys = make_data(7, warm + 1, "cuda")
+        model, opt, fn, xs, ys = plain_thread_training(7)
         # B starts only once A's forward is pending: all of B's warmup, captures and mark-steps
         # happen while A holds live outputs it still needs for backward.
         assert a_fwd_done.wait(300), "A did not run its forward"
