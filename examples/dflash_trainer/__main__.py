@@ -84,8 +84,9 @@ def _print_summary(r: dict) -> None:
               f"{report.get('heldout_loss_after', float('nan')):.3f} after its own training")
     last = r.get("last", {})
     if last:
+        steady = r.get("tokens_per_s_steady", last["tokens_per_s"])
         print(f"steps {last['step']}: loss {last['loss']:.4f}, acc {last['acc']:.3f}, "
-              f"acc@k=1 {last['acc_k1']:.3f}, drafter tokens/s {last['tokens_per_s']:.0f}")
+              f"acc@k=1 {last['acc_k1']:.3f}, drafter tokens/s {steady:.0f} (after warmup, eval excluded)")
     base, final = r.get("baseline", {}), r.get("eval", {})
     if final:
         print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "

@@ -81,6 +81,7 @@ class Run:
         self.eval_target: Optional[TargetModel] = None
         self._leader = None
         self._logged = self.start_step
+        self._steady_tokens, self._steady_seconds = 0, 0.0
         self._last_log_time = time.perf_counter()
 
     # -- used by the workers --------------------------------------------------------------------
@@ -127,13 +128,18 @@ class Run:
     def leader_after_step(self, worker, done: int) -> None:
         cfg = self.config
         last = done == self.total_steps
-        if done - self._logged >= LOG_EVERY or last:
+        leader = self.rank == 0
+        due_eval = leader and cfg.eval_every and (done % cfg.eval_every == 0 or last)
+        due_save = leader and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or last)
+        if done - self._logged >= LOG_EVERY or last or due_eval or due_save:
             self._log(worker, done)
-        if self.rank == 0 and cfg.eval_every and (done % cfg.eval_every == 0 or last):
+        if due_eval:
             self.results["eval"] = self.evaluate(worker)
             self._record({"step": done, **{f"eval_{k}": v for k, v in self.results["eval"].items() if k != "accepted_hist"}})
-        if self.rank == 0 and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or last):
+        if due_save:
             self.save(worker, done)
+        if due_eval or due_save:  # tokens/s counts training, not evaluation or saving
+            self._last_log_time = time.perf_counter()
 
     def _log(self, worker, done: int) -> None:
         rows = worker.history[self._logged:done].tolist()  # one host sync per LOG_EVERY steps
@@ -150,6 +156,10 @@ class Run:
         last_row = dict(zip(METRIC_NAMES + ("grad_norm",), rows[-1]))
         record = {"step": done, **last_row, "lr": self.config.lr * self.lr_lambda(done - 1), "tokens_per_s": tokens_per_s}
         self.results["last"] = record
+        if self._logged >= LOG_EVERY:  # the first interval holds compilation and warmup
+            self._steady_tokens += tokens
+            self._steady_seconds += now - self._last_log_time
+            self.results["tokens_per_s_steady"] = self._steady_tokens / self._steady_seconds
         self.results.setdefault("losses", []).extend(r[0] for r in rows)
         self._record(record)
         self._logged, self._last_log_time = done, now
