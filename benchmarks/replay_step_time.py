@@ -216,6 +216,26 @@ def placements(args, every: bool = False) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def warm_then_time(step, plan, device, before_timing=None) -> "common.StepTimer":
+    """Warm up (compile, capture), then time ``plan.steps`` steps, each a new cudagraph step."""
+    mark = torch.compiler.cudagraph_mark_step_begin
+    for _ in range(plan.warmup):
+        mark()
+        step()
+    common.sync()
+    if before_timing is not None:
+        before_timing()
+    timer = common.StepTimer(device)
+    timer.begin()
+    for _ in range(plan.steps):
+        mark()
+        timer.start()
+        step()
+        timer.stop()
+    timer.finish()
+    return timer
+
+
 def timed_result(timer: common.StepTimer, busy: Optional[float] = None) -> dict:
     return {"ms": timer.ms, "t0": timer.t0, "t1": timer.t1, "gpu_busy": busy}
 
@@ -225,19 +245,7 @@ def run_main_thread(plan: Plan, device: str) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     step = plan.build(device, 0)
-    mark = torch.compiler.cudagraph_mark_step_begin
-    for _ in range(plan.warmup):
-        mark()
-        step()
-    common.sync()
-    timer = common.StepTimer(device)
-    timer.begin()
-    for _ in range(plan.steps):
-        mark()
-        timer.start()
-        step()
-        timer.stop()
-    timer.finish()
+    timer = warm_then_time(step, plan, device)
     busy = None
     if plan.profile:
         probe = common.BusyProbe()
@@ -303,20 +311,8 @@ def _process_entry(rank: int, plan: Plan, devices: list[str], barrier, out_dir: 
     else:
         torch.set_num_threads(1)
     step = plan.build(device, rank)
-    mark = torch.compiler.cudagraph_mark_step_begin
-    for _ in range(plan.warmup):
-        mark()
-        step()
-    common.sync()
-    barrier.wait(BARRIER_TIMEOUT_S)
-    timer = common.StepTimer(device)
-    timer.begin()
-    for _ in range(plan.steps):
-        mark()
-        timer.start()
-        step()
-        timer.stop()
-    timer.finish()  # t0/t1 are CLOCK_MONOTONIC, comparable across processes on Linux
+    # t0/t1 are CLOCK_MONOTONIC, comparable across processes on Linux
+    timer = warm_then_time(step, plan, device, before_timing=lambda: barrier.wait(BARRIER_TIMEOUT_S))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(timed_result(timer)))
 
 
