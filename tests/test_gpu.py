@@ -47,7 +47,8 @@ def test_generation_scenario_without_the_patch_ends_As_generation():
     # Upstream: B's mark-steps make A's tree manager start a new generation while A's forward
     # outputs are still needed by its backward (it frees them as far as the trees know).
     r = scenario("generation", "--variant", "unpatched")
-    assert r["errors"] or not r["grads_equal"] or r["a_sees_new_generation"], r
+    overwritten = any("overwritten" in e for e in r["errors"].values())
+    assert overwritten or (not r["errors"] and (r["a_sees_new_generation"] or not r["grads_equal"])), r
 
 
 def test_training_workers_without_the_generation_patch_corrupt_or_raise():
