@@ -150,3 +150,28 @@ def test_an_exclusion_holds_for_later_installs_until_uninstall(clean_patches):
     assert "worker_mark_step" not in threadgraph.install()  # e.g. a worker starting later
     threadgraph.uninstall()
     assert "worker_mark_step" in threadgraph.install()
+
+
+def test_install_after_graphs_were_recorded_warns(clean_patches):
+    def body():
+        threadgraph.ensure_cudagraph_tls()
+        containers = torch._C._get_obj_in_tls("tree_manager_containers")
+        containers[0] = type("Container", (), {"tree_manager": object()})()  # a recorded tree
+        try:
+            with pytest.warns(threadgraph.ThreadgraphWarning, match="before the first torch.compile"):
+                threadgraph.install()
+        finally:
+            containers.clear()
+
+    run_in_thread(body)
+
+
+def test_install_before_any_graph_is_silent(clean_patches):
+    import warnings
+
+    def body():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", threadgraph.ThreadgraphWarning)
+            threadgraph.install()
+
+    run_in_thread(body)

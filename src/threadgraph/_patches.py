@@ -8,18 +8,21 @@ it can go. Patches are looked up where torch looks the name up at call time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _compat
+from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
 from ._registry import Patch, Registry
 from ._tls import current_worker, ensure_cudagraph_tls, worker_for_current_thread
 
-CHECKED = "2.11 (H200, measured), 2.13 (CPU, code + tests)"
+log = logging.getLogger("threadgraph")
 
 
 def _lazy_tls(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -160,7 +163,21 @@ def install(exclude: frozenset = frozenset()) -> list[str]:
     demonstrating what each patch fixes, not for production.
     """
     _compat.check_supported()
-    return _registry.install(frozenset(exclude))
+    applied = _registry.install(frozenset(exclude))
+    if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():
+        message = ("threadgraph: install() ran after this thread had already recorded CUDA graphs; graphs "
+                   "compiled before install() stay bound to this thread's tree manager. Call install() "
+                   "before the first torch.compile(mode='reduce-overhead') call")
+        log.warning(message)
+        warnings.warn(message, ThreadgraphWarning, stacklevel=2)
+    return applied
+
+
+def _trees_exist_in_this_thread() -> bool:
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        return False
+    containers = torch._C._get_obj_in_tls("tree_manager_containers")
+    return any(getattr(c, "tree_manager", None) is not None for c in containers.values())
 
 
 def uninstall() -> list[str]:
