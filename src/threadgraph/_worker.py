@@ -71,6 +71,7 @@ class CompiledWorkerThread(threading.Thread):
         if warmup_steps < 0 or (max_steps is not None and max_steps < 0):
             raise ValueError("threadgraph: warmup_steps and max_steps must be >= 0")
         self.device = resolve_device(device)
+        install()  # here, in the constructing thread, so it precedes any compile in the worker
         self.warmup_steps = warmup_steps
         self.max_steps = max_steps
         self.stats = StepStats()
