@@ -133,9 +133,9 @@ class CompiledWorkerThread(threading.Thread):
             error, failed_in = exc, self._phase
         try:
             self._phase = "teardown"
-            with self.gate():
+            with self.gate():  # CUDA work of this thread, event syncs included, holds the slot
                 self.teardown()
-            self.stats.step_ms = timer.finish()
+                self.stats.step_ms = timer.finish()
         except BaseException as exc:
             if error is None:
                 error, failed_in = exc, "teardown"
@@ -172,17 +172,19 @@ class CompiledWorkerThread(threading.Thread):
                 timer.start()
                 self.step()
                 timer.stop()
-            self.stats.steps += 1
-            if self.stats.steps == self.warmup_steps:
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()
-                self.stats.warmup_steps = self.stats.steps
-                self.stats.warmup_seconds = time.perf_counter() - started
-                timer.discard()
+                self.stats.steps += 1
+                if self.stats.steps == self.warmup_steps:
+                    self._end_warmup(timer, started)
         if self.stats.steps < self.warmup_steps:
-            self.stats.warmup_steps = self.stats.steps
-            self.stats.warmup_seconds = time.perf_counter() - started
-            timer.discard()
+            with self.gate():
+                self._end_warmup(timer, started)
+
+    def _end_warmup(self, timer: StepTimer, started: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # warmup time includes its GPU work
+        self.stats.warmup_steps = self.stats.steps
+        self.stats.warmup_seconds = time.perf_counter() - started
+        timer.discard()
 
     def _as_worker_error(self) -> WorkerError:
         exc = self._exception
