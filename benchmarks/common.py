@@ -10,7 +10,6 @@ import platform
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -18,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import _stats
+from threadgraph._selftest import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -69,31 +69,10 @@ def results_dir(out_dir: Optional[str]) -> Path:
 
 # -- the small launch-bound model -----------------------------------------------------------------
 
-_init_lock = threading.Lock()
-
-
-def allow_recompiles() -> None:
-    """Every thread compiles the same code for its own model; Dynamo counts those as recompiles.
-    Dynamo config is per thread from torch 2.12, so each thread calls this."""
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-        torch._dynamo.config.accumulated_recompile_limit = 4096
-
-
 def small_model(seed: int, device, width: int = WIDTH, depth: int = DEPTH) -> torch.nn.Module:
-    """depth x [Linear, GELU, LayerNorm]; bf16 on GPU, float32 on CPU. Seeded init draws from the
-    process-global generator, so threads build one model at a time."""
-    allow_recompiles()
+    """depth x [Linear, GELU, LayerNorm]; bf16 on GPU, float32 on CPU."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    with _init_lock:
-        torch.manual_seed(seed)
-        layers = []
-        for _ in range(depth):
-            layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
-        model = torch.nn.Sequential(*layers)
-    return model.to(device=device, dtype=dtype)
+    return mlp(seed, device, width, depth, dtype)
 
 
 # -- timing ---------------------------------------------------------------------------------------

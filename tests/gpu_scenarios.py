@@ -19,18 +19,9 @@ import torch
 
 import threadgraph
 from threadgraph import CompiledWorkerThread, WorkerGroup
+from threadgraph._selftest import mlp
 
 WIDTH, DEPTH, BATCH = 512, 24, 16
-
-
-def allow_recompiles() -> None:
-    """Every worker compiles the same code for its own model; Dynamo counts those as recompiles.
-    Dynamo config is per thread from torch 2.12 (hazard 7), so each thread sets it."""
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-        torch._dynamo.config.accumulated_recompile_limit = 4096
 
 
 def checksum(out: torch.Tensor) -> torch.Tensor:
@@ -45,20 +36,8 @@ def checksum(out: torch.Tensor) -> torch.Tensor:
 _projections: dict = {}
 
 
-_init_lock = threading.Lock()
-
-
 def make_model(seed: int, device) -> torch.nn.Module:
-    """Seeded init draws from torch's process-global generator: threads building models at the
-    same time would interleave their draws, so construction is serialised."""
-    allow_recompiles()
-    with _init_lock:
-        torch.manual_seed(seed)
-        layers = []
-        for _ in range(DEPTH):
-            layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
-        model = torch.nn.Sequential(*layers)
-    return model.to(device)
+    return mlp(seed, device, WIDTH, DEPTH)
 
 
 def make_data(seed: int, steps: int, device, batch: int = BATCH):

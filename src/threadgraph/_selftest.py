@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -14,12 +15,31 @@ from ._worker import CompiledWorkerThread, WorkerGroup
 WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 
 
-def _model(seed: int, device: str) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
-    return torch.nn.Sequential(*layers).to(device)
+_init_lock = threading.Lock()
+
+
+def allow_recompiles() -> None:
+    """Every thread compiles the same code for its own model; Dynamo counts those as recompiles.
+    Dynamo config is per thread from torch 2.12 (hazard 7), so each thread calls this."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
+def mlp(seed: int, device, width: int = WIDTH, depth: int = DEPTH, dtype=None) -> torch.nn.Module:
+    """depth x [Linear, GELU, LayerNorm]: the launch-bound model of the hazard notes, also used by
+    the GPU tests and benchmarks. Seeded init draws from torch's process-global generator, so
+    threads build one model at a time."""
+    allow_recompiles()
+    with _init_lock:
+        torch.manual_seed(seed)
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
+        model = torch.nn.Sequential(*layers)
+    return model.to(device=device, dtype=dtype)
 
 
 def _data(device: str):
@@ -50,7 +70,7 @@ class _Worker(CompiledWorkerThread):
 
     def setup(self) -> None:
         self.xs, self.ys = _data("cuda")
-        model = _model(0, "cuda")
+        model = mlp(0, "cuda")
         if self.kind == "train":
             holder: list = []
             self.out = _train(model, self.xs, self.ys, holder)
@@ -71,7 +91,7 @@ class _Worker(CompiledWorkerThread):
 
 def _reference(kind: str) -> torch.Tensor:
     xs, ys = _data("cuda")
-    model = _model(0, "cuda")
+    model = mlp(0, "cuda")
     if kind == "train":
         holder: list = []
         losses = _train(model, xs, ys, holder)
