@@ -171,3 +171,11 @@ def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, t
     # gradients (and the logged mean loss) are averaged over both processes' 3 drafters
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 6
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file(tiny_assets, tmp_path):
+    train(tiny_config(tiny_assets, tmp_path, max_steps=2, checkpoint_every=2))
+    state = tmp_path / "checkpoints" / "step_00000002" / "state.pt"
+    state.write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception, match=r"state\.pt is corrupt"):
+        train(tiny_config(tiny_assets, tmp_path, max_steps=2, checkpoint_every=2, resume=True))

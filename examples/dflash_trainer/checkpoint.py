@@ -91,7 +91,7 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
                                   f"{path / LATEST} exists; check the path or start without resume")
         path = found
     weights = _read(path / WEIGHTS, lambda f: load_file(str(f), device="cpu"))
-    state = _read(path / STATE, lambda f: torch.load(f, map_location="cpu", weights_only=True))
+    state = read_state(path)
     try:
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as err:
@@ -103,6 +103,11 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
         scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return state["step"], state["data"], state["extra"]
+
+
+def read_state(path: str | Path) -> dict:
+    """The non-weight state of a step directory (step, optimizer, scheduler, data, extra, RNG)."""
+    return _read(Path(path) / STATE, lambda f: torch.load(f, map_location="cpu", weights_only=True))
 
 
 def _read(file: Path, loader: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
 from .data import SampleStream, TokenData, read_jsonl
 from .eval import acceptance_length, repeat_last_token
@@ -208,7 +208,7 @@ class Run:
         return path
 
     def _peek_step(self, path: Path) -> int:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        state = read_state(path)
         saved = json.loads(state.get("extra", {}).get("config", "{}"))
         mine = self.config.to_dict()
         differ = {k: (saved.get(k), mine[k]) for k in RESUME_KEYS if k in saved and saved[k] != mine[k]}

@@ -12,7 +12,7 @@ import threadgraph
 
 from . import distributed
 from .config import TrainConfig
-from .data import read_jsonl
+from .data import TokenData
 from .placement import available_devices, place
 from .run import Run
 from .workers import DrafterWorker, TargetWorker
@@ -34,16 +34,15 @@ def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Option
     return config.target, config.data, None, None
 
 
-def eval_prompts(eval_jsonl: Optional[str], train_jsonl: str, tokenizer, config: TrainConfig) -> list[torch.Tensor]:
+def eval_prompts(eval_jsonl: Optional[str], data: TokenData, count: int) -> list[torch.Tensor]:
     """Held-out prompts: the embedded eval file, else the prompt part of the last samples."""
     if eval_jsonl is not None:
         import json
 
         with open(eval_jsonl) as f:
-            return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()]
-    data = read_jsonl(train_jsonl, tokenizer=tokenizer, seq_len=config.seq_len)
+            return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
     prompts = []
-    for ids, mask in zip(data.ids[-config.eval_prompts:], data.loss_mask[-config.eval_prompts:]):
+    for ids, mask in zip(data.ids[-count:], data.loss_mask[-count:]):
         first_response = int(mask.nonzero()[0]) if mask.any() else ids.shape[0]
         if first_response > 0:
             prompts.append(ids[:first_response].long())
@@ -60,7 +59,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     compiled = config.compile == "reduce-overhead" or (config.compile == "auto" and on_cuda)
     target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
     run = Run(config, placement, target_dir=target_dir, train_jsonl=train_jsonl, compiled=compiled, progress=progress)
-    run.eval_prompts = eval_prompts(eval_jsonl, train_jsonl, run.tokenizer, config)[: config.eval_prompts]
+    run.eval_prompts = eval_prompts(eval_jsonl, run.data, config.eval_prompts)
     targets = [TargetWorker(run, i, d) for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(run, i, d) for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
