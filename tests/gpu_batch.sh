@@ -2,32 +2,57 @@
 # The GPU proof runs, batched for a device lease: `bash tests/gpu_batch.sh PHASE` with $OUT set
 # (the device tool sets it). Each scenario runs in a fresh process; logs land in $OUT/logs-PHASE.tgz.
 #   core     threadgraph GPU tests (issues: core, many workers per GPU, whole-step) + doctor --selftest
+#   lanes    two GPUs, two independent lanes at once: GPU 0 the many-worker tests at $STEPS (1000),
+#            GPU 1 the self-test and the other one-GPU tests at 200 steps
+#   pair     the tests that need both GPUs (two_gpus, whole_step), then the trainer on one GPU and on all
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, trainer or bench}
+phase=${1:?phase: core, lanes, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
-export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs THREADGRAPH_GPU_STEPS=${STEPS:-1000}
+export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
 mkdir -p "$THREADGRAPH_GPU_LOG"
 nvidia-smi -L
+
+selftest() {
+  timeout "${DOCTOR_S:-120}" python3 -m threadgraph doctor --selftest 2>&1 | tee "$THREADGRAPH_GPU_LOG/doctor-$1.txt" | grep -E "selftest|torch"
+}
+
+gpu_tests() {  # gpu_tests TAG STEPS SECONDS [-k EXPR]
+  local tag=$1 steps=$2 seconds=$3; shift 3
+  THREADGRAPH_GPU_STEPS=$steps timeout "$seconds" python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider "$@" 2>&1 \
+    | tee "$THREADGRAPH_GPU_LOG/pytest-$tag.txt" | grep -E "PASSED|FAILED|SKIPPED|Error" | sed "s/^/[$tag] /"
+}
+
+trainer() {  # trainer TAG [trainer flags]
+  local tag=$1; shift
+  timeout "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "/tmp/dflash-$tag" --json \
+    > "$OUT/dflash-$tag.json" 2> "$THREADGRAPH_GPU_LOG/dflash-$tag.err"
+  echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
+}
+
 case "$phase" in
   core)
-    timeout "${DOCTOR_S:-120}" python3 -m threadgraph doctor --selftest 2>&1 | grep -E "selftest|torch"
-    timeout "${PYTEST_S:-420}" python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider ${K:+-k "$K"} 2>&1 \
-      | tee "$THREADGRAPH_GPU_LOG/pytest.txt" | grep -E "PASSED|FAILED|SKIPPED|Error" ;;
+    selftest all
+    gpu_tests core "${STEPS:-1000}" "${PYTEST_S:-420}" ${K:+-k "$K"} ;;
+  lanes)
+    (export CUDA_VISIBLE_DEVICES=0; gpu_tests gpu0 "${STEPS:-1000}" "${LANE_S:-540}" -k "many") &
+    (export CUDA_VISIBLE_DEVICES=1; selftest gpu1
+     gpu_tests gpu1 200 "${LANE1_TESTS_S:-420}" -k "not many and not whole_step and not two_gpus") &
+    wait ;;
+  pair)
+    gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
+    trainer one-gpu --devices cuda:0
+    trainer all-gpus ;;
   trainer)
-    for devices in cuda:0 all; do
-      flag=(); [ "$devices" = all ] || flag=(--devices "$devices")
-      timeout "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "${flag[@]}" --out-dir "/tmp/dflash-$devices" --json \
-        > "$OUT/dflash-${devices/:/}.json" 2> "$THREADGRAPH_GPU_LOG/dflash-${devices/:/}.err"
-      echo "dflash $devices rc=$?"; tail -c 2000 "$OUT/dflash-${devices/:/}.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-${devices/:/}.err" | tail -5
-    done ;;
+    trainer one-gpu --devices cuda:0
+    trainer all-gpus ;;
   bench)
-    timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" 2>&1 | tail -40
+    timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -40
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

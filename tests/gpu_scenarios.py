@@ -541,7 +541,7 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    print(text)
+    print(text, flush=True)  # a crash at interpreter exit must not eat the result
 
 
 if __name__ == "__main__":

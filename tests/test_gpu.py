@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,20 @@ STEPS = int(os.environ.get("THREADGRAPH_GPU_STEPS", "200"))
 
 def scenario(name, *args, timeout=580):
     cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.gpu_scenarios", name, *map(str, args)]
+    started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     log_dir = os.environ.get("THREADGRAPH_GPU_LOG")
     tag = "_".join([name, *map(str, args)]).replace("-", "")
     if log_dir:
-        Path(log_dir, f"{tag}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr[-20000:])
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        Path(log_dir, f"{tag}.log").write_text(
+            f"rc={proc.returncode} seconds={time.perf_counter() - started:.1f}\n"
+            + proc.stdout + "\n--- stderr ---\n" + proc.stderr[-20000:])
+    lines = proc.stdout.strip().splitlines()
+    printed = lines[-1] if lines and lines[-1].startswith("{") else None
+    assert proc.returncode == 0, (
+        f"{name} exited {proc.returncode} ({'after' if printed else 'before'} printing its result):\n"
+        f"{proc.stderr[-4000:]}")
+    return json.loads(printed)
 
 
 def test_plain_thread_fails_without_threadgraph_as_upstream_123177_describes():
