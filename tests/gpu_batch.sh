@@ -4,6 +4,8 @@
 #   core     threadgraph GPU tests (issues: core, many workers per GPU, whole-step) + doctor --selftest
 #   lanes    two GPUs, two independent lanes at once: GPU 0 the many-worker tests at $STEPS (1000),
 #            GPU 1 the self-test and the other one-GPU tests at 200 steps
+#   recheck  two lanes again: GPU 0 the 8-worker/mixed/new-shape tests and the DFlash throughput
+#            bench, GPU 1 the trainer with all 8 workers on one GPU
 #   pair     the tests that need both GPUs (two_gpus, whole_step), then the trainer on one GPU and on all
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
@@ -30,7 +32,8 @@ gpu_tests() {  # gpu_tests TAG STEPS SECONDS [-k EXPR]
 
 trainer() {  # trainer TAG [trainer flags]
   local tag=$1; shift
-  timeout "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "/tmp/dflash-$tag" --json \
+  # on timeout: SIGUSR1 first (the trainer prints every thread's stack), then TERM 20 s later
+  THREADGRAPH_GATE_TIMEOUT=${GATE_S:-150} timeout -s USR1 -k 20 "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "/tmp/dflash-$tag" --json \
     > "$OUT/dflash-$tag.json" 2> "$THREADGRAPH_GPU_LOG/dflash-$tag.err"
   echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
 }
@@ -43,6 +46,13 @@ case "$phase" in
     (export CUDA_VISIBLE_DEVICES=0; gpu_tests gpu0 "${STEPS:-1000}" "${LANE_S:-540}" -k "many") &
     (export CUDA_VISIBLE_DEVICES=1; selftest gpu1
      gpu_tests gpu1 200 "${LANE1_TESTS_S:-420}" -k "not many and not whole_step and not two_gpus") &
+    wait ;;
+  recheck)  # GPU 0: the 8-worker, mixed and new-shape tests, then the DFlash throughput bench; GPU 1: trainer
+    (export CUDA_VISIBLE_DEVICES=0
+     gpu_tests gpu0 "${STEPS:-1000}" 200 -k "many_training_workers_share_one_gpu and 8"
+     gpu_tests gpu0-200 200 150 -k "mixed or new_shapes"
+     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
+    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-420} trainer one-gpu --devices cuda:0) &
     wait ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"

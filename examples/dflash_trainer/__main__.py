@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
+import signal
 import sys
 import typing
 
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     as_json = args.pop("json")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         config = TrainConfig(**args)
     except ValueError as err:

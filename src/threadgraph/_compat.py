@@ -88,6 +88,19 @@ def cudagraphify_state_is_thread_local() -> bool:
     return "threading.local" in source
 
 
+def dynamo_fx_tracing_check() -> str | None:
+    """The predicate Dynamo asks before running a compiled function: ``is_fx_symbolic_tracing``
+    where it exists, else ``is_fx_tracing``. Both read one process-global flag that
+    ``Tracer.trace`` sets, so a compile (make_fx) in one thread makes compiled calls in
+    another raise "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function"."""
+    fx = importlib.import_module("torch.fx._symbolic_trace")
+    for name in ("is_fx_symbolic_tracing", "is_fx_tracing"):
+        if hasattr(fx, name) and hasattr(fx, "Tracer"):
+            return name
+    return None
+
+
 def has_remove_obj_from_tls() -> bool:
     return hasattr(torch._C, "_remove_obj_from_tls")
 
@@ -142,4 +155,6 @@ def hazards() -> dict[str, bool]:
         "device_wide_capture (other threads' eager work breaks a capture)": True,
         "shared_cudagraphify_state (compiled graph bound to one thread's manager)": True,
         "capture_lock_present (upstream orders tree-manager ops only)": has_graph_capture_lock(),
+        "global_fx_tracing_flag (another thread's compile makes compiled calls raise)": dynamo_fx_tracing_check() is not None,
+        "global_rng_rewind (each compile restores the global RNG state it saw at its start)": True,
     }

@@ -111,12 +111,36 @@ def _release_slots(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
         return wrapped(*args, **kwargs)
 
 
+_fx_tracing = threading.local()
+
+
+def _fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    _fx_tracing.depth = getattr(_fx_tracing, "depth", 0) + 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _fx_tracing.depth -= 1
+
+
+def _fx_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
+    # Upstream's rule, on this thread's own tracing instead of any thread's.
+    return getattr(_fx_tracing, "depth", 0) > 0
+
+
+def _fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
+    return _fx_tracing_in_this_thread(wrapped, instance, args, kwargs) and not torch.compiler.is_compiling()
+
+
 _TREES = "torch._inductor.cudagraph_trees"
 _MANAGER = f"{_TREES}:CUDAGraphTreeManager"
 _GEN = "1: generation counters are process-global"
 _CAPTURE = "2: capture is device-wide; other threads' CUDA work breaks it"
 _UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15)"
 _UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15)"
+_FX = "11: FX's tracing flag is process-global; a compile in one thread makes compiled calls in others raise"
+_UNTIL_FX = "upstream keeps the FX tracing flag per thread (not as of 2.13)"
+_FX_SEEN = ("seen on an H200, torch 2.11: 'Detected that you are using FX to symbolically trace a "
+            "dynamo-optimized function' in a worker while another compiled")
 
 PATCHES = [
     Patch("lazy_tls", f"{_TREES}:get_obj", "0: get_obj asserts in threads without TLS (#123177)",
@@ -142,6 +166,14 @@ PATCHES = [
           _UNTIL_CAPTURE, "pytorch/pytorch#123177", _exclusive(None)),
     Patch("gate_record", f"{_MANAGER}.record_function", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
           _exclusive("captures")),
+    Patch("fx_trace_marks_thread", "torch.fx._symbolic_trace:Tracer.trace", _FX, "2.1 - 2.15", _UNTIL_FX, _FX_SEEN,
+          _fx_trace_marks_thread, applies=lambda: _compat.dynamo_fx_tracing_check() is not None),
+    Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing", _FX, "2.1 - 2.15",
+          _UNTIL_FX, _FX_SEEN, _fx_symbolic_tracing_in_this_thread,
+          applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing"),
+    Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", _FX, "releases without "
+          "is_fx_symbolic_tracing", _UNTIL_FX, _FX_SEEN, _fx_tracing_in_this_thread,
+          applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_tracing"),
     Patch("gate_release_in_backward", "torch.autograd:backward",
           "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
           "never (inherent to autograd's device threads)", "-", _release_slots),

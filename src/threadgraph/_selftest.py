@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import torch
 
 from ._worker import CompiledWorkerThread, WorkerGroup
 
 WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
-
-
-_init_lock = threading.Lock()
 
 
 def allow_recompiles() -> None:
@@ -30,16 +26,22 @@ def allow_recompiles() -> None:
 
 def mlp(seed: int, device, width: int = WIDTH, depth: int = DEPTH, dtype=None) -> torch.nn.Module:
     """depth x [Linear, GELU, LayerNorm]: the launch-bound model of the hazard notes, also used by
-    the GPU tests and benchmarks. Seeded init draws from torch's process-global generator, so
-    threads build one model at a time."""
+    the GPU tests and benchmarks.
+
+    Initialised from a private generator, never torch's global one: every Dynamo compile saves
+    the global RNG state when it starts and restores it when it ends, so a compile in another
+    thread rewinds seeded global draws half-way through (hazard 12, seen on an H200 as one
+    worker in eight starting from different weights). The distribution is nn.Linear's default."""
     allow_recompiles()
-    with _init_lock:
-        torch.manual_seed(seed)
-        layers = []
-        for _ in range(depth):
-            layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
-        model = torch.nn.Sequential(*layers)
-    return model.to(device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        linear = torch.nn.Linear(width, width, device="meta")
+        bound = 1.0 / width**0.5
+        linear.weight = torch.nn.Parameter(torch.empty(width, width).uniform_(-bound, bound, generator=g))
+        linear.bias = torch.nn.Parameter(torch.empty(width).uniform_(-bound, bound, generator=g))
+        layers += [linear, torch.nn.GELU(), torch.nn.LayerNorm(width)]
+    return torch.nn.Sequential(*layers).to(device=device, dtype=dtype)
 
 
 def _data(device: str):
