@@ -237,3 +237,47 @@ def test_released_restores_slots_on_every_gate():
             assert a.holders()["shared"] == [] and b.holders()["shared"] == []
         assert a._shared[threading.get_ident()] == 2 and b._shared[threading.get_ident()] == 1
     assert a.holders()["shared"] == [] and b.holders()["shared"] == []
+
+
+def test_a_timed_out_restore_surfaces_as_the_timeout_not_as_a_bookkeeping_error(caplog):
+    """Seen on an H200: a worker leaving released() timed out behind a stuck capture, and its
+    gate's exit then reported "releases a shared slot it does not hold", hiding the timeout."""
+    gate = gate_for("test:restore")
+    gate.timeout = 0.3
+    owner_in, owner_out = threading.Event(), threading.Event()
+
+    def owner():
+        with gate.exclusive():
+            owner_in.set()
+            owner_out.wait(10)
+
+    with pytest.raises(threadgraph.GateTimeout, match="a shared slot"):
+        with gate.shared():
+            with released():
+                t = threading.Thread(target=owner, name="stuck-capture")
+                t.start()
+                owner_in.wait(10)
+    owner_out.set()
+    t.join(10)
+    assert gate.holders()["shared"] == [] and gate.holders()["exclusive"] is None
+    assert "--- thread stuck-capture ---" in caplog.text  # every thread's stack is logged
+
+
+def test_a_dynamo_compile_gives_the_slot_up_while_it_runs():
+    """Dynamo compiles under one process-wide lock; a worker that waits for it must not hold
+    its slot (a one-GPU DFlash run stalled that way on an H200)."""
+    import torch
+
+    threadgraph.install()
+    gate = gate_for("test:compile")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gate.holders()["shared"])
+        return gm.forward
+
+    fn = torch.compile(lambda x: x * 3, backend=backend)
+    with gate.shared():
+        assert fn(torch.ones(2)).tolist() == [3.0, 3.0]
+        assert gate.holders()["shared"] == [threading.current_thread().name]
+    assert seen == [[]]

@@ -17,7 +17,9 @@ the allocator's pool state: hazard 2), so work from other threads breaks it.
 
 Why this cannot deadlock: an exclusive waiter waits only for shared holders. A shared holder
 only ever waits for (a) the GPU, (b) an exclusive holder (by upgrading, after dropping its own
-slots), or (c) something else while in ``released()``/backward, where it holds nothing. So no
+slots), or (c) something else while in ``released()``/backward/a Dynamo compile, where it holds
+nothing. (Dynamo compiles under one process-wide lock: a worker holding a slot while it waits for
+that lock, held by a thread that waits for the gate, was a deadlock seen on an H200.) So no
 shared holder waits for anything that waits for it. An exclusive holder does not wait on other
 workers (capture needs no other thread), except on the autograd device thread, which is in
 backward on behalf of a worker that holds nothing. Waits are bounded by ``timeout``; on expiry
@@ -30,13 +32,17 @@ by the gate: that is the user's responsibility.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from typing import Iterator
 
 from ._errors import GateTimeout
 
+log = logging.getLogger("threadgraph")
 DEFAULT_TIMEOUT_S = float(os.environ.get("THREADGRAPH_GATE_TIMEOUT", "600"))
 
 
@@ -80,8 +86,15 @@ class DeviceGate:
         self.acquire_shared()
         try:
             yield
-        finally:
-            self.release_shared()
+        except BaseException:
+            # An inner restore (after released() or an upgrade) may have failed, leaving no slot
+            # to give back; the error in flight says why, so do not mask it with a second one.
+            with self._cond:
+                held = self._shared.get(threading.get_ident(), 0) > 0
+            if held:  # only this thread changes its own entry, so the answer still holds
+                self.release_shared()
+            raise
+        self.release_shared()
 
     def drop_shared(self) -> int:
         """Give up all of this thread's slots at once; returns the depth to give back later."""
@@ -160,6 +173,7 @@ class DeviceGate:
                     "shared": sorted(self._names.get(t, str(t)) for t in self._shared),
                 }
                 name = threading.current_thread().name
+                _log_stacks(f"threadgraph: {name} timed out waiting for {what} of {self.device}; holders {holders}")
                 raise GateTimeout(
                     f"threadgraph: thread {name} waited {self.timeout:.0f} s for {what} of {self.device}; "
                     f"held by {holders}. A worker probably blocks (a queue wait, a join) while holding "
@@ -168,6 +182,15 @@ class DeviceGate:
                     device=self.device,
                 )
             self._cond.wait(left)
+
+
+def _log_stacks(headline: str) -> None:
+    """Log every thread's stack: a gate timeout is a stuck wait somewhere, and this says where."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = [headline]
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
+    log.error("\n".join(parts))
 
 
 _gates: dict[str, DeviceGate] = {}

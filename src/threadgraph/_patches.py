@@ -174,6 +174,11 @@ PATCHES = [
     Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", _FX, "releases without "
           "is_fx_symbolic_tracing", _UNTIL_FX, _FX_SEEN, _fx_tracing_in_this_thread,
           applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_tracing"),
+    Patch("gate_release_in_compile", "torch._dynamo.convert_frame:ConvertFrameAssert.__call__",
+          "3: Dynamo compiles under one process-wide lock; a worker waiting for it must not hold its slot",
+          "2.2 - 2.15", "never (the compile lock is process-wide by design)",
+          "seen on an H200, torch 2.11: 8 DFlash workers on one GPU stalled behind one compiling worker",
+          _release_slots, applies=lambda: _compat.dynamo_frame_compiler() is not None),
     Patch("gate_release_in_backward", "torch.autograd:backward",
           "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
           "never (inherent to autograd's device threads)", "-", _release_slots),
