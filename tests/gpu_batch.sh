@@ -6,6 +6,7 @@
 #            GPU 1 the self-test and the other one-GPU tests at 200 steps
 #   recheck  two lanes again: GPU 0 the 8-worker/mixed/new-shape tests and the DFlash throughput
 #            bench, GPU 1 the trainer with all 8 workers on one GPU
+#   final    recheck, then the two-GPU test and the trainer on both GPUs
 #   pair     the tests that need both GPUs (two_gpus, whole_step), then the trainer on one GPU and on all
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
@@ -50,10 +51,19 @@ case "$phase" in
   recheck)  # GPU 0: the 8-worker, mixed and new-shape tests, then the DFlash throughput bench; GPU 1: trainer
     (export CUDA_VISIBLE_DEVICES=0
      gpu_tests gpu0 "${STEPS:-1000}" 200 -k "many_training_workers_share_one_gpu and 8"
-     gpu_tests gpu0-200 200 150 -k "mixed or new_shapes"
+     gpu_tests gpu0-200 200 150 -k "mixed or new_input_shapes"
      timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
     (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-420} trainer one-gpu --devices cuda:0) &
     wait ;;
+  final)  # recheck's lanes, then the two-GPU test and the trainer on both GPUs
+    (export CUDA_VISIBLE_DEVICES=0
+     gpu_tests gpu0 "${STEPS:-1000}" 200 -k "share_one_gpu and 8"
+     gpu_tests gpu0-200 200 150 -k "mixed or new_input_shapes"
+     timeout "${DFLASH_BENCH_S:-170}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
+    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) &
+    wait
+    gpu_tests pair 200 90 -k two_gpus
+    TRAIN_S=150 trainer all-gpus ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
     trainer one-gpu --devices cuda:0
