@@ -20,6 +20,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
 mkdir -p "$THREADGRAPH_GPU_LOG"
 nvidia-smi -L
+save_logs() { tar czf "$OUT/.logs.tgz" -C "$THREADGRAPH_GPU_LOG" . && mv "$OUT/.logs.tgz" "$OUT/logs-$phase.tgz"; }
+# The device kills the whole command at its limit, traps included: keep a fresh copy of the logs.
+(while sleep 20; do save_logs; done) &
+saver=$!
 
 selftest() {
   timeout "${DOCTOR_S:-120}" python3 -m threadgraph doctor --selftest 2>&1 | tee "$THREADGRAPH_GPU_LOG/doctor-$1.txt" | grep -E "selftest|torch"
@@ -60,7 +64,7 @@ case "$phase" in
      gpu_tests gpu0 "${STEPS:-1000}" 200 -k "share_one_gpu and 8"
      gpu_tests gpu0-200 200 150 -k "mixed or new_input_shapes"
      timeout "${DFLASH_BENCH_S:-170}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
-    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) &
+    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-240} trainer one-gpu --devices cuda:0) &
     wait
     gpu_tests pair 200 90 -k two_gpus
     TRAIN_S=150 trainer all-gpus ;;
@@ -76,4 +80,5 @@ case "$phase" in
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-tar czf "$OUT/logs-$phase.tgz" -C "$THREADGRAPH_GPU_LOG" .
+kill "$saver" 2>/dev/null
+save_logs

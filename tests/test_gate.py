@@ -2,6 +2,7 @@
 
 import queue
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -281,3 +282,71 @@ def test_a_dynamo_compile_gives_the_slot_up_while_it_runs():
         assert fn(torch.ones(2)).tolist() == [3.0, 3.0]
         assert gate.holders()["shared"] == [threading.current_thread().name]
     assert seen == [[]]
+
+
+def _capture_while_a_worker_is_queued_on_the_compile_lock(gate) -> str:
+    """Thread C compiles (holding Dynamo's compile lock, its backend parked); worker W, holding
+    its slot, calls another compiled function and queues on that lock; a capture then asks for
+    the gate. Returns what the capture got."""
+    import torch
+
+    torch._dynamo.reset()  # the lambdas below share code objects across calls: start uncompiled
+    in_compile, finish = threading.Event(), threading.Event()
+
+    def slow_backend(gm, example_inputs):
+        in_compile.set()
+        assert finish.wait(30)
+        return gm.forward
+
+    slow = torch.compile(lambda x: x - 1, backend=slow_backend)
+    other = torch.compile(lambda x: x + 1, backend="eager")
+    compiler = threading.Thread(target=lambda: slow(torch.ones(2)), name="compiling")
+    worker_done = threading.Event()
+
+    worker_calls = threading.Event()
+
+    def worker_body():
+        with gate.shared():
+            worker_calls.set()
+            other(torch.ones(2))  # queues on the compile lock
+        worker_done.set()
+
+    worker = threading.Thread(target=worker_body, name="worker")
+    compiler.start()
+    assert in_compile.wait(30)
+    worker.start()
+    assert worker_calls.wait(30)
+    time.sleep(0.3)  # let it reach the lock
+    outcome = "captured"
+    try:
+        with gate.exclusive():
+            pass
+    except threadgraph.GateTimeout as exc:
+        outcome = f"timeout: {exc}"
+    finally:
+        finish.set()
+        compiler.join(30)
+        worker.join(30)
+    assert worker_done.is_set()
+    return outcome
+
+
+def test_a_worker_queued_on_dynamos_compile_lock_does_not_hold_captures_up():
+    """The one-GPU DFlash stall on an H200: workers queued on Dynamo's process-wide compile
+    lock while holding their slots, so every capture on the device waited for every compile."""
+    threadgraph.uninstall()
+    threadgraph.install()
+    gate = gate_for("test:convoy")
+    gate.timeout = 5
+    assert _capture_while_a_worker_is_queued_on_the_compile_lock(gate) == "captured"
+
+
+def test_without_the_compile_patch_the_capture_waits_for_the_compile():
+    threadgraph.uninstall()
+    threadgraph.install(exclude={"gate_release_in_compile"})
+    try:
+        gate = gate_for("test:convoy-unpatched")
+        gate.timeout = 1.5
+        assert _capture_while_a_worker_is_queued_on_the_compile_lock(gate).startswith("timeout")
+    finally:
+        threadgraph.uninstall()

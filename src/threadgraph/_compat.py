@@ -101,12 +101,12 @@ def dynamo_fx_tracing_check() -> str | None:
     return None
 
 
-def dynamo_frame_compiler() -> str | None:
-    """The class whose ``__call__`` Dynamo runs on a cache miss, taking its process-wide
-    ``compile_lock`` (``ConvertFrameAssert`` from 2.2; earlier releases use closures)."""
+def dynamo_frame_callback() -> str | None:
+    """The outermost class whose ``__call__`` Dynamo runs on a cache miss; it takes Dynamo's
+    process-wide ``compile_lock`` (``CatchErrorsWrapper``; older releases use a closure)."""
     convert_frame = importlib.import_module("torch._dynamo.convert_frame")
-    cls = getattr(convert_frame, "ConvertFrameAssert", None)
-    return "ConvertFrameAssert" if cls is not None and "__call__" in vars(cls) else None
+    cls = getattr(convert_frame, "CatchErrorsWrapper", None)
+    return "CatchErrorsWrapper" if cls is not None and "__call__" in vars(cls) else None
 
 
 def has_remove_obj_from_tls() -> bool:

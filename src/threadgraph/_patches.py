@@ -174,11 +174,14 @@ PATCHES = [
     Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", _FX, "releases without "
           "is_fx_symbolic_tracing", _UNTIL_FX, _FX_SEEN, _fx_tracing_in_this_thread,
           applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_tracing"),
-    Patch("gate_release_in_compile", "torch._dynamo.convert_frame:ConvertFrameAssert.__call__",
-          "3: Dynamo compiles under one process-wide lock; a worker waiting for it must not hold its slot",
-          "2.2 - 2.15", "never (the compile lock is process-wide by design)",
-          "seen on an H200, torch 2.11: 8 DFlash workers on one GPU stalled behind one compiling worker",
-          _release_slots, applies=lambda: _compat.dynamo_frame_compiler() is not None),
+    # Outside the compile lock, not inside it: a thread that restored its slot while still
+    # holding the lock would wait for captures that wait for slots held by threads queued on
+    # the lock (the second one-GPU DFlash stall on an H200).
+    Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__",
+          "3: Dynamo compiles under one process-wide lock; a worker queued on it must not hold its slot",
+          "2.4 - 2.15 (feature-detected)", "never (the compile lock is process-wide by design)",
+          "seen on an H200, torch 2.11: 8 DFlash workers on one GPU, captures stalled behind queued compiles",
+          _release_slots, applies=lambda: _compat.dynamo_frame_callback() is not None),
     Patch("gate_release_in_backward", "torch.autograd:backward",
           "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
           "never (inherent to autograd's device threads)", "-", _release_slots),
