@@ -54,8 +54,11 @@ class DeviceThread:
             job = self.jobs.get()
             if job is None:
                 return
-            captures, done = job
+            captures, compiles, done = job
             try:
+                if compiles:  # a lazy backward compile: Dynamo's lock, no slots, then its captures
+                    with COMPILE_LOCK:
+                        time.sleep(0.001)
                 for _ in range(captures):  # a capture inside backward takes the gate exclusively
                     with self.gate.exclusive():
                         self.monitor.enter("exclusive")
@@ -64,10 +67,13 @@ class DeviceThread:
             except BaseException as exc:
                 done.put(exc)
 
-    def backward(self, captures):
+    def backward(self, captures, compiles=False):
         done = queue.Queue()
-        self.jobs.put((captures, done))
+        self.jobs.put((captures, compiles, done))
         return done
+
+
+COMPILE_LOCK = threading.RLock()  # stands for Dynamo's process-wide compile_lock
 
 
 def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
@@ -82,11 +88,15 @@ def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
                 with gate.exclusive():
                     monitor.enter("exclusive")
                     monitor.leave("exclusive")
-            elif op in ("backward", "backward_capture"):
+            elif op in ("backward", "backward_capture", "backward_compile"):
                 with released():  # what the gate_release_in_backward patch does
-                    error = device_thread.backward(1 if op == "backward_capture" else 0).get(timeout=30)
+                    job = device_thread.backward(0 if op == "backward" else 1, compiles=op == "backward_compile")
+                    error = job.get(timeout=30)
                 if error is not None:
                     raise error
+            elif op == "compile":  # a Dynamo cache miss: the gate_release_in_compile patch, then the lock
+                with released(), COMPILE_LOCK:
+                    time.sleep(0.001)
             elif op == "wait_peers":  # a queue wait on other workers
                 with released():
                     peers_ready.wait(timeout=30)
@@ -94,7 +104,7 @@ def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
 
 programs = st.lists(
     st.tuples(
-        st.lists(st.sampled_from(["work", "capture", "backward", "backward_capture", "wait_peers"]), max_size=12),
+        st.lists(st.sampled_from(["work", "capture", "backward", "backward_capture", "backward_compile", "compile", "wait_peers"]), max_size=12),
         st.one_of(st.none(), st.integers(0, 11)),
     ),
     min_size=1,
