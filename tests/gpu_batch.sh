@@ -4,9 +4,7 @@
 #   core     threadgraph GPU tests (issues: core, many workers per GPU, whole-step) + doctor --selftest
 #   lanes    two GPUs, two independent lanes at once: GPU 0 the many-worker tests at $STEPS (1000),
 #            GPU 1 the self-test and the other one-GPU tests at 200 steps
-#   recheck  two lanes again: GPU 0 the 8-worker/mixed/new-shape tests and the DFlash throughput
-#            bench, GPU 1 the trainer with all 8 workers on one GPU
-#   final    recheck, then the two-GPU test and the trainer on both GPUs
+#   verify   what 2026-11-29 left unverified (see the case below); about 9 minutes on nvidia-h200-x2
 #   pair     the tests that need both GPUs (two_gpus, whole_step), then the trainer on one GPU and on all
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
@@ -14,7 +12,7 @@
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -52,22 +50,14 @@ case "$phase" in
     (export CUDA_VISIBLE_DEVICES=1; selftest gpu1
      gpu_tests gpu1 200 "${LANE1_TESTS_S:-420}" -k "not many and not whole_step and not two_gpus") &
     wait ;;
-  recheck)  # GPU 0: the 8-worker, mixed and new-shape tests, then the DFlash throughput bench; GPU 1: trainer
+  verify)  # what 2026-11-29 left unverified: GPU 0 new shapes, whole-step (compiled inner), the DFlash
+           # throughput bench; GPU 1 the trainer on one GPU; then the trainer on both GPUs
     (export CUDA_VISIBLE_DEVICES=0
-     gpu_tests gpu0 "${STEPS:-1000}" 200 -k "many_training_workers_share_one_gpu and 8"
-     gpu_tests gpu0-200 200 150 -k "mixed or new_input_shapes"
-     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
-    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-420} trainer one-gpu --devices cuda:0) &
-    wait ;;
-  final)  # recheck's lanes, then the two-GPU test and the trainer on both GPUs
-    (export CUDA_VISIBLE_DEVICES=0
-     gpu_tests gpu0 "${STEPS:-1000}" 200 -k "share_one_gpu and 8"
-     gpu_tests gpu0-200 200 150 -k "mixed or new_input_shapes"
+     gpu_tests gpu0 200 200 -k "new_input_shapes or whole_step"
      timeout "${DFLASH_BENCH_S:-170}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
-    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-240} trainer one-gpu --devices cuda:0) &
+    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) &
     wait
-    gpu_tests pair 200 90 -k two_gpus
-    TRAIN_S=150 trainer all-gpus ;;
+    TRAIN_S=180 trainer all-gpus ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
     trainer one-gpu --devices cuda:0

@@ -109,6 +109,7 @@ def test_two_workers_on_two_gpus_capture_concurrently_and_train_correctly():
 def test_whole_step_graph_matches_eager_and_approaches_the_floor():
     r = scenario("whole_step", "--steps", STEPS)
     assert r["losses_allclose_eager"] and r["params_allclose_eager"], r
+    assert r["compiled_inner_close_eager"], r  # compiled regions inside the captured step
     assert all(r["shared_one_gpu_allclose"]), r
     if "per_gpu_allclose" in r:
         assert all(r["per_gpu_allclose"]), r
