@@ -35,9 +35,10 @@ def format_report(info: dict) -> str:
     ]
     lines += [f"  [{'x' if present else ' '}] {name}" for name, present in info["hazards"].items()]
     lines += ["", "patches (install() applies those marked 'applies'):"]
+    width = max((len(p["name"]) for p in info["patches"]), default=0)
     for p in info["patches"]:
         state = "active" if p["active"] else ("applies" if p["applies"] else "not needed")
-        lines.append(f"  {p['name']:<26} {state:<10} {p['target']}")
+        lines.append(f"  {p['name']:<{width}} {state:<10} {p['target']}")
     if info["other_threads"]:
         lines += [
             "",
