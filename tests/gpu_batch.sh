@@ -54,7 +54,7 @@ case "$phase" in
            # throughput bench; GPU 1 the trainer on one GPU; then the trainer on both GPUs
     (export CUDA_VISIBLE_DEVICES=0
      gpu_tests gpu0 200 200 -k "new_input_shapes or whole_step"
-     timeout "${DFLASH_BENCH_S:-170}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15) &
+     timeout "${DFLASH_BENCH_S:-230}" python3 benchmarks/dflash_throughput.py --steps 60 --out-dir "$OUT" 2>&1 | tail -15) &
     (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) &
     wait
     TRAIN_S=180 trainer all-gpus ;;
