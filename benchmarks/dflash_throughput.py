@@ -90,9 +90,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             torch.cuda.set_device(device)
         target = TargetModel.from_pretrained(target_dir, num_feature_layers=n,
                                              dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
-        torch.manual_seed(cfg.seed)
         drafter = DFlashDrafter.from_target_config(target.config, target.embed_tokens, target.lm_head,
-                                                   cfg.num_draft_layers, n).to(device)
+                                                   cfg.num_draft_layers, n,
+                                                   generator=torch.Generator().manual_seed(cfg.seed)).to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,

@@ -106,7 +106,8 @@ def dflash_work(device: torch.device, seed: int) -> Work:
         torch.manual_seed(seed)
         embed = torch.nn.Embedding(s["vocab"], s["hidden"])
         lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False)
-        drafter = DFlashDrafter.from_target_config(_qwen3_config(s), embed, lm_head, cfg.num_draft_layers, n)
+        drafter = DFlashDrafter.from_target_config(_qwen3_config(s), embed, lm_head, cfg.num_draft_layers, n,
+                                                   generator=torch.Generator().manual_seed(seed))
     embed.to(device, dtype).requires_grad_(False)  # Module.to is in place: the drafter sees the moved ones
     lm_head.to(device, dtype).requires_grad_(False)
     drafter.to(device)

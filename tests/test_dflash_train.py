@@ -226,3 +226,25 @@ def test_compiled_gated_pipeline_finishes_like_the_eager_one(tiny_assets, tmp_pa
     eager = train(tiny_config(tiny_assets, tmp_path / "eager", max_steps=8))["losses"]
     assert torch.allclose(torch.tensor(gated), torch.tensor(eager), rtol=1e-4, atol=1e-5), (gated, eager)
     assert gate_for("cpu").holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0}
+
+
+def test_replicas_start_identical_while_another_thread_rewinds_the_global_rng(tiny_assets, tmp_path):
+    """Hazard 12: every Dynamo compile restores the global RNG state it saw at its start. Seen
+    on an H200 as one model in eight starting from different weights. The drafter's initial
+    weights must not depend on the global generator while workers run."""
+    calm = train(tiny_config(tiny_assets, tmp_path / "calm", max_steps=3))["losses"]
+    saved, stop = torch.random.get_rng_state(), threading.Event()
+
+    def rewind():  # what a compile in another thread does to torch's global generator
+        while not stop.is_set():
+            torch.random.set_rng_state(saved)
+            torch.rand(7)
+
+    chaos = threading.Thread(target=rewind, daemon=True)
+    chaos.start()
+    try:
+        stormy = train(tiny_config(tiny_assets, tmp_path / "stormy", max_steps=3))["losses"]
+    finally:
+        stop.set()
+        chaos.join(10)
+    assert stormy == calm

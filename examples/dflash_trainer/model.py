@@ -151,7 +151,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, num_layers: int, num_feature_layers: int,
                  rms_norm_eps: float, rope_theta: float, embed_tokens: nn.Embedding,
-                 lm_head: nn.Linear, init_std: float = 0.02) -> None:
+                 lm_head: nn.Linear, init_std: float = 0.02,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         if num_layers < 1 or num_feature_layers < 1:
             raise ValueError(
@@ -177,13 +178,16 @@ class DFlashDrafter(nn.Module):
         )
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.rotary = Rotary(head_dim, rope_theta)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=init_std)  # paper: random init
+        # Paper: random init. A private generator keeps replicas identical while other threads
+        # compile: each Dynamo compile rewinds torch's global generator (hazard 12).
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, init_std, generator=generator)
 
     @classmethod
     def from_target_config(cls, hf_config: Any, embed_tokens: nn.Embedding, lm_head: nn.Linear,
-                           num_layers: int, n: int) -> DFlashDrafter:
+                           num_layers: int, n: int, generator: torch.Generator | None = None) -> DFlashDrafter:
         """Copy widths, heads, eps and RoPE base from a HF Qwen3/Llama config."""
         try:
             hidden = hf_config.hidden_size
@@ -201,7 +205,7 @@ class DFlashDrafter(nn.Module):
         return cls(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    intermediate_size=intermediate, num_layers=num_layers, num_feature_layers=n,
                    rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6), rope_theta=float(theta),
-                   embed_tokens=embed_tokens, lm_head=lm_head)
+                   embed_tokens=embed_tokens, lm_head=lm_head, generator=generator)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -19,7 +19,6 @@ from .config import TrainConfig
 from .data import SampleStream, TokenData, read_jsonl
 from .eval import acceptance_length, repeat_last_token
 from .metrics import MetricsLogger
-from .model import DFlashDrafter
 from .placement import Placement
 from .routing import GradientAverager, OrderedInbox
 from .step import METRIC_NAMES
@@ -49,7 +48,6 @@ class Run:
         self.target_config = cpu_target.config
         self.tokenizer = cpu_target.tokenizer
         self.mask_token_id = cpu_target.mask_token_id
-        self.initial_drafter_state = self._initial_drafter_state(cpu_target)
         self.data: TokenData = read_jsonl(train_jsonl, tokenizer=self.tokenizer, seq_len=config.seq_len,
                                           vocab_size=cpu_target.vocab_size)
         self.eval_prompts: list[torch.Tensor] = []  # set by the entry point
@@ -79,27 +77,13 @@ class Run:
         # another loads one in bfloat16 gets bfloat16 and float32 weights mixed ("expected mat1
         # and mat2 to have the same dtype", seen on an H200). Workers build their models one at
         # a time under this lock. (Seeded draws from the global generator are not safe even under
-        # a lock, see _initial_drafter_state.)
+        # a lock: every Dynamo compile rewinds it. Drafter init uses a private generator.)
         self.init_lock = threading.Lock()
         self.eval_target: Optional[TargetModel] = None
         self._leader = None
         self._logged = self.start_step
         self._steady_tokens, self._steady_seconds = 0, 0.0
         self._last_log_time = time.perf_counter()
-
-    def _initial_drafter_state(self, cpu_target: TargetModel) -> dict[str, torch.Tensor]:
-        """The drafter's seeded initial weights, drawn once here, before any worker starts.
-
-        Drawing them in each replica's thread is unsafe even under a lock: every Dynamo compile
-        restores the global RNG state it saw when it started, so a target thread's compile
-        rewinds a drafter's seeded init half-way (seen on an H200: replicas that started apart).
-        fork_rng leaves the caller's global RNG state as it was."""
-        cfg = self.config
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            drafter = DFlashDrafter.from_target_config(self.target_config, cpu_target.embed_tokens, cpu_target.lm_head,
-                                                       cfg.num_draft_layers, cfg.num_feature_layers)
-        return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
     # -- used by the workers --------------------------------------------------------------------
     def compile(self, fn: Callable) -> Callable:

@@ -73,10 +73,11 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         run, cfg = self.run_ctx, self.run_ctx.config
         with run.init_lock:  # see Run.init_lock
             embed, lm_head = run.load_frozen_heads(self.device)
+            # Identical initial weights in every replica and process, whatever other threads do.
             drafter = DFlashDrafter.from_target_config(
-                run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers
+                run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers,
+                generator=torch.Generator().manual_seed(cfg.seed),
             )
-            drafter.load_state_dict(run.initial_drafter_state)  # identical in every replica and process
             if self.index == 0 and self.run_ctx.rank == 0 and cfg.eval_every:
                 run.eval_target = run.load_target(self.device)
         self.drafter = drafter.to(self.device)
