@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import sys
 import time
@@ -18,6 +19,12 @@ import torch
 
 from threadgraph import _stats
 from threadgraph._selftest import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (a `timeout` around the script) into SystemExit, so subprocess.run kills the
+    cell it is waiting for instead of leaving it running, holding the GPU and the output pipe."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

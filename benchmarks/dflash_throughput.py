@@ -269,6 +269,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    common.exit_on_sigterm()
     if args.cell:
         from examples.dflash_trainer.config import TrainConfig
 

@@ -550,6 +550,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    common.exit_on_sigterm()
     if args.cell:
         if not common.on_gpu():
             torch.set_num_threads(1)  # see CPU_THREADS_NOTE
