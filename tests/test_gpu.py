@@ -3,6 +3,7 @@ poison a process). Set THREADGRAPH_GPU_LOG to a folder to keep every scenario's 
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,10 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = int(os.environ.get("THREADGRAPH_GPU_STEPS", "200"))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def scenario(name, *args, timeout=580):
     cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.gpu_scenarios", name, *map(str, args)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # An outer `timeout` sends SIGTERM: stop the session and let subprocess.run kill the scenario,
+    # which would otherwise keep the GPU and the batch script's pipe after pytest is gone.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     log_dir = os.environ.get("THREADGRAPH_GPU_LOG")
     tag = "_".join([name, *map(str, args)]).replace("-", "")
     if log_dir:
