@@ -78,9 +78,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     autocast = torch.bfloat16 if bf16 else None
     target_dir, train_jsonl, _, _ = resolve_inputs(cfg)
     n = cfg.num_feature_layers
-    cpu_target = TargetModel.from_pretrained(target_dir, num_feature_layers=n)
-    data = read_jsonl(train_jsonl, tokenizer=cpu_target.tokenizer, seq_len=cfg.seq_len,
-                      vocab_size=cpu_target.vocab_size)
+    target_shape = TargetModel.shape_only(target_dir, num_feature_layers=n)
+    data = read_jsonl(train_jsonl, tokenizer=target_shape.tokenizer, seq_len=cfg.seq_len,
+                      vocab_size=target_shape.vocab_size)
     compile_ = (lambda f: torch.compile(f, mode="reduce-overhead")) if compiled else (lambda f: f)
 
     replicas = []
@@ -96,7 +96,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         params = [p for p in drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
-                               mask_token_id=cpu_target.mask_token_id, autocast_dtype=autocast)
+                               mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
         replicas.append(dict(device=device, features=compile_(target.features), step_fn=compile_(step_fn),
                              params=params, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                              stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices)),

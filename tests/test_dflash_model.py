@@ -131,11 +131,12 @@ def test_features_are_selected_hidden_states(target):
     torch.testing.assert_close(feats, expected)
 
 
-def test_from_pretrained_errors(tmp_path):
+@pytest.mark.parametrize("load", [TargetModel.from_pretrained, TargetModel.shape_only])
+def test_from_pretrained_errors(tmp_path, load):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        TargetModel.from_pretrained(tmp_path / "nope", num_feature_layers=2)
+        load(tmp_path / "nope", num_feature_layers=2)
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
-        TargetModel.from_pretrained(tmp_path, num_feature_layers=2)
+        load(tmp_path, num_feature_layers=2)
 
 
 def test_unsupported_layout():

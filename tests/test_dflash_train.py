@@ -116,6 +116,14 @@ def test_gradient_average_across_drafter_threads():
     assert all(float(e) == pytest.approx(1.0) for e in extras)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
     script = tmp_path / "dist_avg.py"
     script.write_text(
@@ -131,7 +139,7 @@ def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
         "dist.destroy_process_group()\n"
     )
     env = dict(os.environ, OUT_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     grads = [torch.randn(7, generator=torch.Generator().manual_seed(r)) for r in range(2)]
@@ -159,7 +167,7 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 
 
 def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "examples.dflash_trainer", "--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl),
            "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
            "--num-target-layers-used", "1", "--max-steps", "6", "--eval-every", "0", "--checkpoint-every", "3",
@@ -248,3 +256,13 @@ def test_replicas_start_identical_while_another_thread_rewinds_the_global_rng(ti
         stop.set()
         chaos.join(10)
     assert stormy == calm
+
+
+def test_shape_only_target_matches_the_loaded_one_without_reading_weights(tiny_assets):
+    from examples.dflash_trainer.target import TargetModel
+
+    shape = TargetModel.shape_only(tiny_assets.target_dir, num_feature_layers=1)
+    loaded = TargetModel.from_pretrained(tiny_assets.target_dir, num_feature_layers=1)
+    assert all(p.device.type == "meta" for p in shape.model.parameters())
+    assert (shape.vocab_size, shape.mask_token_id, shape.layer_ids, shape.config.hidden_size) == \
+        (loaded.vocab_size, loaded.mask_token_id, loaded.layer_ids, loaded.config.hidden_size)

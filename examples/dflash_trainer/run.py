@@ -44,12 +44,12 @@ class Run:
         self.target_dir = target_dir
         self.compiled = compiled
         self.progress = progress
-        cpu_target = TargetModel.from_pretrained(target_dir, num_feature_layers=config.num_feature_layers)
-        self.target_config = cpu_target.config
-        self.tokenizer = cpu_target.tokenizer
-        self.mask_token_id = cpu_target.mask_token_id
+        target_shape = TargetModel.shape_only(target_dir, num_feature_layers=config.num_feature_layers)
+        self.target_config = target_shape.config
+        self.tokenizer = target_shape.tokenizer
+        self.mask_token_id = target_shape.mask_token_id
         self.data: TokenData = read_jsonl(train_jsonl, tokenizer=self.tokenizer, seq_len=config.seq_len,
-                                          vocab_size=cpu_target.vocab_size)
+                                          vocab_size=target_shape.vocab_size)
         self.eval_prompts: list[torch.Tensor] = []  # set by the entry point
         per_step = config.batch_size * config.drafters * self.world
         steps_per_epoch = max(1, len(self.data) // per_step)

@@ -43,17 +43,7 @@ class TargetModel:
         """Load model and tokenizer from a local HF directory; never touches the network."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"target directory {path} does not exist; pass a local HF model directory "
-                f"(with config.json and weights) or leave target unset for the embedded default"
-            )
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path / 'config.json'} is missing; the target must be a HF model directory "
-                f"as written by save_pretrained()"
-            )
+        path = _checked_dir(path)
         kwargs = {"local_files_only": True}
         if dtype is not None:
             kwargs["dtype"] = dtype
@@ -61,6 +51,19 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if device is not None:
             model = model.to(device)
+        return cls(model, tokenizer, num_feature_layers=num_feature_layers)
+
+    @classmethod
+    def shape_only(cls, path: str | Path, *, num_feature_layers: int) -> TargetModel:
+        """Config, tokenizer, layer choice and mask token without reading the weights: the model
+        is built on the meta device, so this costs no memory whatever the target's size."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        path = _checked_dir(path)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         return cls(model, tokenizer, num_feature_layers=num_feature_layers)
 
     @property
@@ -146,6 +149,21 @@ def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:
         f"tokenizer uses all of them, and it has no spare special token; pass mask_token_id "
         f"explicitly (the paper never adds rows)"
     )
+
+
+def _checked_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"target directory {path} does not exist; pass a local HF model directory "
+            f"(with config.json and weights) or leave target unset for the embedded default"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path / 'config.json'} is missing; the target must be a HF model directory "
+            f"as written by save_pretrained()"
+        )
+    return path
 
 
 def _check_layout(model: nn.Module) -> None:
