@@ -165,4 +165,5 @@ def hazards() -> dict[str, bool]:
         "capture_lock_present (upstream orders tree-manager ops only)": has_graph_capture_lock(),
         "global_fx_tracing_flag (another thread's compile makes compiled calls raise)": dynamo_fx_tracing_check() is not None,
         "global_rng_rewind (each compile restores the global RNG state it saw at its start)": True,
+        "global_compile_lock (Dynamo compiles one frame at a time, process-wide)": True,
     }
