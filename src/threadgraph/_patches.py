@@ -122,13 +122,13 @@ def _fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs
         _fx_tracing.depth -= 1
 
 
+# Upstream's rules, on this thread's own tracing instead of any thread's.
 def _fx_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    # Upstream's rule, on this thread's own tracing instead of any thread's.
     return getattr(_fx_tracing, "depth", 0) > 0
 
 
 def _fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return _fx_tracing_in_this_thread(wrapped, instance, args, kwargs) and not torch.compiler.is_compiling()
+    return getattr(_fx_tracing, "depth", 0) > 0 and not torch.compiler.is_compiling()
 
 
 _TREES = "torch._inductor.cudagraph_trees"
