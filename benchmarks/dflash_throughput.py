@@ -57,6 +57,7 @@ def run_threaded(cfg) -> dict:
         "windows_tokens_per_s": windows,
         "placement": results.get("placement"),
         "mode": results.get("mode"),
+        "gil_switch_interval_ms": results.get("gil_switch_interval_ms"),
         "loss_last": results["last"].get("loss"),
         "workers": results.get("workers", {}),
     }
@@ -166,7 +167,8 @@ def make_config(args, out_dir: str):
 
     kw = dict(out_dir=out_dir, targets=args.targets, drafters=args.drafters, devices=args.devices,
               max_steps=args.steps, eval_every=0, checkpoint_every=0, seed=0)
-    for name in ("seq_len", "batch_size", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used"):
+    for name in ("seq_len", "batch_size", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
+                 "gil_switch_interval_ms"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.assets == "tiny":
@@ -220,7 +222,8 @@ def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str,
         f"- devices: {cfg.devices or 'all visible GPUs, else cpu'}; {cfg.targets} target + {cfg.drafters} drafter threads "
         f"vs one thread; {cfg.max_steps} drafter steps = {cfg.max_steps * cfg.drafters} batches of {cfg.batch_size} x "
         f"{cfg.seq_len} tokens; block {cfg.block_size}, {cfg.num_anchors} anchors, {cfg.num_draft_layers} drafter layers",
-        f"- target: {cfg.target or 'embedded default assets'}",
+        f"- target: {cfg.target or 'embedded default assets'}; GIL switch interval of the threaded run: "
+        f"{common.fmt(threaded.get('gil_switch_interval_ms'))} ms",
         f"- excluded: the threaded run's first {LOG_EVERY}-step window and the same share of the sequential batches "
         "(setup, compilation, capture)",
         *([] if env["gpu"] else ["- one intra-op thread per process (torch.set_num_threads(1))"]),
@@ -243,6 +246,8 @@ def parse_args(argv=None):
     p.add_argument("--num-anchors", type=int, help="default: TrainConfig's (quick: 4)")
     p.add_argument("--num-draft-layers", type=int)
     p.add_argument("--num-target-layers-used", type=int, help="default: TrainConfig's (tiny assets: 1)")
+    p.add_argument("--gil-switch-interval-ms", type=float,
+                   help="the threaded run's GIL switch interval (default: the trainer's auto)")
     p.add_argument("--assets", choices=("default", "tiny"), help="embedded target and data (default; quick: tiny)")
     p.add_argument("--quick", action="store_true", help="CPU reduced form for CI: tiny assets and sizes, few steps")
     p.add_argument("--cell-timeout", type=int, default=600)

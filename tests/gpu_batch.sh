@@ -7,6 +7,8 @@
 #   verify   what 2026-11-29 left unverified (see the case below); about 9 minutes on nvidia-h200-x2
 #   pair     the tests that need both GPUs (two_gpus, whole_step), then the trainer on one GPU and on all
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
+#   tune     the DFlash throughput bench at several GIL switch intervals (two lanes), then the
+#            trainer and the bench on both GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
@@ -41,23 +43,35 @@ trainer() {  # trainer TAG [trainer flags]
   echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
 }
 
+dflash_bench() {  # dflash_bench TAG [bench flags]: results in $OUT/TAG/
+  local tag=$1; shift
+  timeout "${DFLASH_BENCH_S:-200}" python3 benchmarks/dflash_throughput.py --steps "${DFLASH_STEPS:-60}" --out-dir "$OUT/$tag" "$@" 2>&1 \
+    | grep -E "^\| (threaded|sequential)|threaded / sequential|rror" | sed "s/^/[$tag] /"
+}
+
 case "$phase" in
   core)
     selftest all
     gpu_tests core "${STEPS:-1000}" "${PYTEST_S:-420}" ${K:+-k "$K"} ;;
   lanes)
-    (export CUDA_VISIBLE_DEVICES=0; gpu_tests gpu0 "${STEPS:-1000}" "${LANE_S:-540}" -k "many") &
+    (export CUDA_VISIBLE_DEVICES=0; gpu_tests gpu0 "${STEPS:-1000}" "${LANE_S:-540}" -k "many") & lane0=$!
     (export CUDA_VISIBLE_DEVICES=1; selftest gpu1
-     gpu_tests gpu1 200 "${LANE1_TESTS_S:-420}" -k "not many and not whole_step and not two_gpus") &
-    wait ;;
+     gpu_tests gpu1 200 "${LANE1_TESTS_S:-420}" -k "not many and not whole_step and not two_gpus") & lane1=$!
+    wait "$lane0" "$lane1" ;;  # a bare `wait` would also wait for the log saver, forever
   verify)  # what 2026-11-29 left unverified: GPU 0 new shapes, whole-step (compiled inner), the DFlash
            # throughput bench; GPU 1 the trainer on one GPU; then the trainer on both GPUs
     (export CUDA_VISIBLE_DEVICES=0
      gpu_tests gpu0 200 200 -k "new_input_shapes or whole_step"
-     timeout "${DFLASH_BENCH_S:-230}" python3 benchmarks/dflash_throughput.py --steps 60 --out-dir "$OUT" 2>&1 | tail -15) &
-    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) &
-    wait
+     timeout "${DFLASH_BENCH_S:-230}" python3 benchmarks/dflash_throughput.py --steps 60 --out-dir "$OUT" 2>&1 | tail -15) & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1; TRAIN_S=${TRAIN_S:-300} trainer one-gpu --devices cuda:0) & lane1=$!
+    wait "$lane0" "$lane1"
     TRAIN_S=180 trainer all-gpus ;;
+  tune)  # SWITCH0 / SWITCH1: GIL switch intervals in ms, run in turn on GPU 0 / GPU 1
+    (for ms in ${SWITCH0:-5 0.2}; do dflash_bench "gpu0-$ms" --devices cuda:0 --gil-switch-interval-ms "$ms"; done) & lane0=$!
+    (for ms in ${SWITCH1:-1 0.05}; do CUDA_VISIBLE_DEVICES=1 dflash_bench "gpu1-$ms" --devices cuda:0 --gil-switch-interval-ms "$ms"; done) & lane1=$!
+    wait "$lane0" "$lane1"
+    TRAIN_S=${TRAIN_S:-220} trainer all-gpus ${TRAIN_ARGS:-}
+    dflash_bench two-gpus --devices cuda:0,cuda:1 ${BENCH_ARGS:-} ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
     trainer one-gpu --devices cuda:0

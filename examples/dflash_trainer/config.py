@@ -14,6 +14,7 @@ from typing import Any
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
+AUTO_SWITCH_INTERVAL_MS = 0.5
 
 
 @dataclass
@@ -46,6 +47,10 @@ class TrainConfig:
     compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     channel_capacity: int = 4
+    # How long a thread may hold the GIL while others wait (sys.setswitchinterval); None = auto:
+    # AUTO_SWITCH_INTERVAL_MS with CUDA graphs, Python's default (5 ms) otherwise. Graph replays,
+    # backward and channel waits release the GIL; each re-acquire can wait a full interval.
+    gil_switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("targets", "drafters", "seq_len", "num_anchors", "num_draft_layers",
@@ -64,6 +69,8 @@ class TrainConfig:
         _check_float("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0)
         _check_float("grad_clip", self.grad_clip, low=0.0, low_open=True)
         _check_float("weight_decay", self.weight_decay, low=0.0)
+        if self.gil_switch_interval_ms is not None:
+            _check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, low=0.0, high=1000.0, low_open=True)
         if self.gamma is not None:
             _check_float("gamma", self.gamma, low=0.0, low_open=True)
         self.gamma_value  # raises now, not mid-run, if block_size has no default gamma
@@ -96,6 +103,12 @@ class TrainConfig:
                 f"{_DEFAULT_GAMMA}); pass gamma explicitly, e.g. gamma=block_size/2"
             )
         return _DEFAULT_GAMMA[self.block_size]
+
+    def switch_interval_s(self, compiled: bool) -> float | None:
+        """The GIL switch interval to run with, in seconds; None = leave Python's."""
+        if self.gil_switch_interval_ms is not None:
+            return self.gil_switch_interval_ms / 1000
+        return AUTO_SWITCH_INTERVAL_MS / 1000 if compiled else None
 
     @property
     def device_list(self) -> list[str]:

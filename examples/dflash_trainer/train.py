@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -66,8 +68,9 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     group.on_failure(run.fail)
     log.info("dflash: %s; %d steps; %s", placement.describe(), run.total_steps, "reduce-overhead" if compiled else "eager")
     try:
-        group.start()
-        group.join()
+        with _switch_interval(config.switch_interval_s(compiled)):
+            group.start()
+            group.join()
     except KeyboardInterrupt:
         saved = run.save_on_interrupt()
         run.results["interrupted_checkpoint"] = str(saved) if saved else None
@@ -79,6 +82,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     run.results.update(
         placement=placement.describe(),
         mode="reduce-overhead" if compiled else "eager",
+        gil_switch_interval_ms=(config.switch_interval_s(compiled) or sys.getswitchinterval()) * 1000,
         target_report=report,
         workers={w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
                           "warmup_s": round(w.stats.warmup_seconds, 2), "captures": w.stats.captures,
@@ -86,6 +90,19 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
         out_dir=str(Path(config.out_dir)),
     )
     return run.results
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: Optional[float]):
+    """Run with this GIL switch interval, then restore the process's own."""
+    previous = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+        log.info("dflash: GIL switch interval %.3g ms (was %.3g ms)", seconds * 1000, previous * 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def _read_json(path) -> Optional[dict]:
