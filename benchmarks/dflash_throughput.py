@@ -12,8 +12,9 @@ capture and is left out of the steady figure.
 sequential: one thread does what early SpecForge did: for each batch, the target forward, then
 the drafter step (forward, backward, clip, AdamW), on the same devices (one replica per device,
 stepped in turn; replicas do not average gradients, which only favours this baseline), the
-same data order, anchors and sizes, compiled the same way (reduce-overhead on GPU, eager on
-CPU). It processes as many batches as the threaded run; the same share of them is warmup.
+same data order, anchors and sizes, compiled the same way (reduce-overhead on GPU, with
+CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on CPU). It
+processes as many batches as the threaded run; the same share of them is warmup.
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
 error row and the other still runs.
@@ -68,7 +69,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.loss import sample_anchors
     from examples.dflash_trainer.model import DFlashDrafter
     from examples.dflash_trainer.placement import available_devices
-    from examples.dflash_trainer.step import make_step_fn
+    from examples.dflash_trainer.step import capture_graph, compile_fn, make_forward_backward, make_step_fn, zero_grad
     from examples.dflash_trainer.target import TargetModel
     from examples.dflash_trainer.train import resolve_inputs
 
@@ -82,7 +83,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     target_shape = TargetModel.shape_only(target_dir, num_feature_layers=n)
     data = read_jsonl(train_jsonl, tokenizer=target_shape.tokenizer, seq_len=cfg.seq_len,
                       vocab_size=target_shape.vocab_size)
-    compile_ = (lambda f: torch.compile(f, mode="reduce-overhead")) if compiled else (lambda f: f)
+    how = dict(compiled=compiled, cuda_graphs=cfg.cuda_graphs)
 
     replicas = []
     for i, dev in enumerate(devices):
@@ -98,7 +99,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                                mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
-        replicas.append(dict(device=device, features=compile_(target.features), step_fn=compile_(step_fn),
+        replicas.append(dict(device=device, features=capture_graph(compile_fn(target.features, **how), **how),
+                             forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how)), **how),
                              params=params, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                              stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices)),
                              losses=[]))
@@ -131,13 +133,12 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             if i == 0:
                 fwd_timer.stop()
                 step_timer.start()
-            loss, metrics = rep["step_fn"](ids, loss_mask.to(device, non_blocking=True), features,
-                                           anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
-            loss.backward()
+            metrics = rep["forward_backward"](ids, loss_mask.to(device, non_blocking=True), features,
+                                              anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
             torch.nn.utils.clip_grad_norm_(rep["params"], cfg.grad_clip)
             rep["opt"].step()
             rep["sched"].step()
-            rep["opt"].zero_grad(set_to_none=True)
+            zero_grad(rep["opt"], rep["forward_backward"])
             rep["losses"].append(metrics[0].detach().clone())
             if i == 0:
                 step_timer.stop()
@@ -151,7 +152,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
         "devices": devices,
-        "mode": "reduce-overhead" if compiled else "eager",
+        "mode": ("whole-step" if cfg.cuda_graphs == "whole-step" else "reduce-overhead") if compiled else "eager",
         "loss_last": float(replicas[0]["losses"][-1]),
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
@@ -168,7 +169,7 @@ def make_config(args, out_dir: str):
     kw = dict(out_dir=out_dir, targets=args.targets, drafters=args.drafters, devices=args.devices,
               max_steps=args.steps, eval_every=0, checkpoint_every=0, seed=0)
     for name in ("seq_len", "batch_size", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
-                 "gil_switch_interval_ms"):
+                 "gil_switch_interval_ms", "cuda_graphs"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.assets == "tiny":
@@ -246,6 +247,8 @@ def parse_args(argv=None):
     p.add_argument("--num-anchors", type=int, help="default: TrainConfig's (quick: 4)")
     p.add_argument("--num-draft-layers", type=int)
     p.add_argument("--num-target-layers-used", type=int, help="default: TrainConfig's (tiny assets: 1)")
+    p.add_argument("--cuda-graphs", choices=("trees", "whole-step"),
+                   help="both pipelines: CUDAGraph Trees (default) or whole-step graphs (threadgraph.capture_step)")
     p.add_argument("--gil-switch-interval-ms", type=float,
                    help="the threaded run's GIL switch interval (default: the trainer's auto)")
     p.add_argument("--assets", choices=("default", "tiny"), help="embedded target and data (default; quick: tiny)")

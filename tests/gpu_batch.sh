@@ -9,12 +9,14 @@
 #   trainer  the DFlash embedded default on cuda:0 (all 8 workers on one GPU), then on all GPUs
 #   tune     the DFlash throughput bench at several GIL switch intervals (two lanes), then the
 #            trainer and the bench on both GPUs
+#   whole    the DFlash bench with whole-step graphs (one GPU, then both) next to Trees, and the
+#            default trainer on one GPU
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -43,9 +45,9 @@ trainer() {  # trainer TAG [trainer flags]
   echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
 }
 
-dflash_bench() {  # dflash_bench TAG [bench flags]: results in $OUT/TAG/
+dflash_bench() {  # dflash_bench TAG [bench flags]: results in the logs, under TAG/ (the device returns few files)
   local tag=$1; shift
-  timeout "${DFLASH_BENCH_S:-200}" python3 benchmarks/dflash_throughput.py --steps "${DFLASH_STEPS:-60}" --out-dir "$OUT/$tag" "$@" 2>&1 \
+  timeout "${DFLASH_BENCH_S:-200}" python3 benchmarks/dflash_throughput.py --steps "${DFLASH_STEPS:-60}" --out-dir "$THREADGRAPH_GPU_LOG/$tag" "$@" 2>&1 \
     | grep -E "^\| (threaded|sequential)|threaded / sequential|rror" | sed "s/^/[$tag] /"
 }
 
@@ -72,6 +74,15 @@ case "$phase" in
     wait "$lane0" "$lane1"
     TRAIN_S=${TRAIN_S:-220} trainer all-gpus ${TRAIN_ARGS:-}
     dflash_bench two-gpus --devices cuda:0,cuda:1 ${BENCH_ARGS:-} ;;
+  whole)  # whole-step graphs in the DFlash pipeline; the default (Trees) trainer after the setup change
+    (export CUDA_VISIBLE_DEVICES=0
+     gpu_tests gpu0 200 150 -k "whole_step"
+     dflash_bench whole-1gpu --devices cuda:0 --cuda-graphs whole-step) & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1
+     TRAIN_S=${TRAIN_S:-220} trainer one-gpu --devices cuda:0
+     dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
+    wait "$lane0" "$lane1"
+    dflash_bench whole-2gpus --devices cuda:0,cuda:1 --cuda-graphs whole-step ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
     trainer one-gpu --devices cuda:0

@@ -266,3 +266,39 @@ def test_shape_only_target_matches_the_loaded_one_without_reading_weights(tiny_a
     assert all(p.device.type == "meta" for p in shape.model.parameters())
     assert (shape.vocab_size, shape.mask_token_id, shape.layer_ids, shape.config.hidden_size) == \
         (loaded.vocab_size, loaded.mask_token_id, loaded.layer_ids, loaded.config.hidden_size)
+
+
+def test_whole_step_graphs_without_cuda_get_one_clear_error(tiny_assets, tmp_path):
+    with pytest.raises(ValueError, match="whole-step needs CUDA devices"):
+        train(tiny_config(tiny_assets, tmp_path, cuda_graphs="whole-step"))
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        tiny_config(tiny_assets, tmp_path, cuda_graphs="whole")
+
+
+def test_gradients_a_captured_graph_owns_are_kept_between_steps():
+    from examples.dflash_trainer.step import zero_grad
+
+    class Step:
+        captured = False
+
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    step = Step()
+    param.grad = torch.ones(3)
+    zero_grad(optimizer, step)  # warmup: the next call (the capture) must see no gradients
+    assert param.grad is None
+    param.grad = static = torch.ones(3)
+    step.captured = True
+    zero_grad(optimizer, step)  # each replay writes into these very tensors
+    assert param.grad is static
+    zero_grad(optimizer, lambda *batch: None)  # Trees and eager: a plain function
+    assert param.grad is None
+
+
+def test_a_gil_switch_interval_is_applied_for_the_run_and_restored(tiny_assets, tmp_path):
+    before = sys.getswitchinterval()
+    seen = []
+    results = train(tiny_config(tiny_assets, tmp_path, max_steps=2, gil_switch_interval_ms=0.25),
+                    progress=lambda record: seen.append(sys.getswitchinterval()))
+    assert seen and all(abs(s - 0.00025) < 1e-9 for s in seen)
+    assert sys.getswitchinterval() == before and results["gil_switch_interval_ms"] == pytest.approx(0.25)

@@ -155,3 +155,89 @@ def test_each_worker_has_its_own_generation_state():
     states = {name: {id(s) for s in v} for name, v in seen.items()}
     assert all(len(s) == 1 for s in states.values()) and states["m0"] != states["m1"]
     assert workers[0].worker_state.mark_step_counter == -3  # base class begins a step each time
+
+
+class Loader(Counter):
+    """A setup that does what transformers' from_pretrained(dtype=torch.bfloat16) does: set the
+    process-wide default dtype while it builds, then restore it."""
+
+    def __init__(self, in_setup, peer_seen, **kw):
+        super().__init__(**kw)
+        self.in_setup, self.peer_seen = in_setup, peer_seen
+
+    def setup(self):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            self.in_setup.set()
+            self.peer_overlapped = self.peer_seen.wait(0.5)  # a peer observed us mid-setup
+        finally:
+            torch.set_default_dtype(previous)
+        self.model = torch.nn.Linear(4, 4)
+
+
+class Observer(Counter):
+    def __init__(self, in_setup, peer_seen, **kw):
+        super().__init__(max_steps=1, **kw)
+        self.in_setup, self.peer_seen = in_setup, peer_seen
+        self.dtypes = {}
+
+    def setup(self):
+        if self.in_setup.wait(2):  # the loader set up first: look while it may still be loading
+            self.dtypes["setup"] = torch.get_default_dtype()
+            self.peer_seen.set()
+
+    def step(self):
+        self.dtypes["step"] = torch.zeros(1).dtype
+        self.peer_seen.set()
+
+
+@pytest.mark.parametrize("serial_setup", [True, False])
+def test_no_worker_steps_while_another_sets_up(serial_setup):
+    """Hazard 13: another thread's model load changes the default dtype under a running step."""
+    in_setup, peer_seen = threading.Event(), threading.Event()
+    loader = Loader(in_setup, peer_seen, name="loader", max_steps=1)
+    observer = Observer(in_setup, peer_seen, name="observer")
+    with WorkerGroup([loader, observer], serial_setup=serial_setup):
+        pass
+    assert observer.dtypes["step"] == torch.float32
+    if serial_setup:  # the observer's setup waited for the loader's turn to end
+        assert not loader.peer_overlapped
+    else:  # setups overlap: the observer saw the loader's dtype, which is why serial is the default
+        assert loader.peer_overlapped and observer.dtypes["setup"] == torch.bfloat16
+
+
+def test_a_failing_setup_releases_the_workers_waiting_for_it():
+    done = threading.Event()
+
+    class SlowFailure(Counter):
+        def setup(self):
+            done.wait(30)
+            raise ValueError("boom in setup")
+
+    waiting = Counter(name="waiting")
+    group = WorkerGroup([waiting, SlowFailure(name="slow")], serial_setup=False)
+    group.start()
+    done.set()
+    with pytest.raises(WorkerError, match="'slow'.*boom in setup"):
+        group.join(30)
+    assert waiting.stats.steps == 0 and not waiting.is_alive()
+
+
+def test_stopping_a_worker_that_waits_for_the_others_setups_ends_it():
+    release = threading.Event()
+
+    class Slow(Counter):
+        def setup(self):
+            release.wait(30)
+            super().setup()
+
+    quick, slow = Counter(name="quick"), Slow(name="slow", max_steps=2)
+    group = WorkerGroup([quick, slow], serial_setup=False)
+    group.start()
+    quick.stop()
+    threading.Thread.join(quick, 30)
+    assert not quick.is_alive() and quick.stats.steps == 0
+    release.set()
+    group.join(30)
+    assert slow.stats.steps == 2

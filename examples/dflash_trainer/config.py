@@ -14,7 +14,7 @@ from typing import Any
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
-AUTO_SWITCH_INTERVAL_MS = 0.5
+_CUDA_GRAPHS = ("trees", "whole-step")
 
 
 @dataclass
@@ -45,11 +45,15 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU
+    # With reduce-overhead: "trees" = CUDAGraph Trees per compiled region; "whole-step" = the
+    # target forward and the drafter's forward + backward each captured as one CUDA graph per
+    # worker (threadgraph.capture_step; Inductor kernels inside), averaging and AdamW eager.
+    cuda_graphs: str = "trees"
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     channel_capacity: int = 4
-    # How long a thread may hold the GIL while others wait (sys.setswitchinterval); None = auto:
-    # AUTO_SWITCH_INTERVAL_MS with CUDA graphs, Python's default (5 ms) otherwise. Graph replays,
-    # backward and channel waits release the GIL; each re-acquire can wait a full interval.
+    # How long a thread may hold the GIL while others wait (sys.setswitchinterval); None = Python's
+    # (5 ms). Shorter intervals did not help 8 workers on an H200: threaded/sequential tokens/s
+    # 0.72x at 5 ms, 0.68x at 1 ms, 0.54x at 0.05 ms (tests/gpu_batch.sh tune).
     gil_switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +80,7 @@ class TrainConfig:
         self.gamma_value  # raises now, not mid-run, if block_size has no default gamma
         _check_choice("compile", self.compile, _COMPILE_MODES)
         _check_choice("dtype", self.dtype, _DTYPES)
+        _check_choice("cuda_graphs", self.cuda_graphs, _CUDA_GRAPHS)
         if not isinstance(self.resume, bool):
             raise ValueError(f"resume must be true or false, got {self.resume!r}")
         for name in ("target", "data", "devices"):
@@ -104,11 +109,10 @@ class TrainConfig:
             )
         return _DEFAULT_GAMMA[self.block_size]
 
-    def switch_interval_s(self, compiled: bool) -> float | None:
+    @property
+    def switch_interval_s(self) -> float | None:
         """The GIL switch interval to run with, in seconds; None = leave Python's."""
-        if self.gil_switch_interval_ms is not None:
-            return self.gil_switch_interval_ms / 1000
-        return AUTO_SWITCH_INTERVAL_MS / 1000 if compiled else None
+        return None if self.gil_switch_interval_ms is None else self.gil_switch_interval_ms / 1000
 
     @property
     def device_list(self) -> list[str]:

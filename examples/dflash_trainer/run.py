@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,7 +20,7 @@ from .eval import acceptance_length, repeat_last_token
 from .metrics import MetricsLogger
 from .placement import Placement
 from .routing import GradientAverager, OrderedInbox
-from .step import METRIC_NAMES
+from .step import METRIC_NAMES, capture_graph, compile_fn
 from .target import TargetModel
 
 log = logging.getLogger("dflash")
@@ -72,13 +71,10 @@ class Run:
         self.metrics = MetricsLogger(self.out_dir / "metrics.jsonl") if self.rank == 0 else None
         self.results: dict[str, Any] = {"rank": self.rank, "world": self.world, "total_steps": self.total_steps,
                                         "start_step": self.start_step}
-        # Model construction touches process-global state: transformers' from_pretrained sets
-        # torch's *default dtype* while it builds a model, so a thread building a model while
-        # another loads one in bfloat16 gets bfloat16 and float32 weights mixed ("expected mat1
-        # and mat2 to have the same dtype", seen on an H200). Workers build their models one at
-        # a time under this lock. (Seeded draws from the global generator are not safe even under
-        # a lock: every Dynamo compile rewinds it. Drafter init uses a private generator.)
-        self.init_lock = threading.Lock()
+        # Setups build models, which sets process-global state (transformers sets torch's default
+        # dtype while it builds one): threadgraph.WorkerGroup runs them one at a time, before any
+        # step. Seeded draws from the global generator are not safe even so (every Dynamo compile
+        # rewinds it): drafter init uses a private generator.
         self.eval_target: Optional[TargetModel] = None
         self._leader = None
         self._logged = self.start_step
@@ -87,7 +83,10 @@ class Run:
 
     # -- used by the workers --------------------------------------------------------------------
     def compile(self, fn: Callable) -> Callable:
-        return torch.compile(fn, mode="reduce-overhead") if self.compiled else fn
+        return compile_fn(fn, compiled=self.compiled, cuda_graphs=self.config.cuda_graphs)
+
+    def graph(self, fn: Callable) -> Callable:
+        return capture_graph(fn, compiled=self.compiled, cuda_graphs=self.config.cuda_graphs)
 
     def load_target(self, device: torch.device) -> TargetModel:
         return TargetModel.from_pretrained(self.target_dir, num_feature_layers=self.config.num_feature_layers,

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+import threadgraph
+
 from .loss import block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
 from .model import DFlashDrafter
 
@@ -37,6 +39,42 @@ def make_step_fn(drafter: DFlashDrafter, *, block_size: int, gamma: float, mask_
         return loss, torch.stack([loss.detach(), weight_sum, acc, acc_first])
 
     return drafter_loss
+
+
+def compile_fn(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
+    """``fn`` as a run executes it: eager, compiled with CUDAGraph Trees, or, for whole-step
+    graphs, compiled without Trees (capture_graph() around it records the kernels)."""
+    if not compiled:
+        return fn
+    if cuda_graphs == "whole-step":
+        return torch.compile(fn)
+    return torch.compile(fn, mode="reduce-overhead")
+
+
+def capture_graph(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
+    """With whole-step graphs, ``fn`` replayed as one CUDA graph per worker; else ``fn``."""
+    if compiled and cuda_graphs == "whole-step":
+        return threadgraph.capture_step(fn)
+    return fn
+
+
+def make_forward_backward(step_fn: StepFn) -> Callable[..., torch.Tensor]:
+    """The step's loss.backward(); returns the metrics. Captured as one graph (Run.graph), the
+    backward writes the gradients into the same tensors at every replay: see zero_grad()."""
+
+    def forward_backward(ids, loss_mask, features, anchors, keep):
+        loss, metrics = step_fn(ids, loss_mask, features, anchors, keep)
+        loss.backward()
+        return metrics
+
+    return forward_backward
+
+
+def zero_grad(optimizer: torch.optim.Optimizer, forward_backward: Callable) -> None:
+    """Drop the gradients, unless a captured graph owns them: its backward assigns (never adds)
+    them at every replay, and eager code must keep reading the tensors the capture wrote."""
+    if not getattr(forward_backward, "captured", False):
+        optimizer.zero_grad(set_to_none=True)
 
 
 METRIC_NAMES = ("loss", "weight_sum", "acc", "acc_k1")

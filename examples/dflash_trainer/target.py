@@ -104,8 +104,9 @@ class TargetModel:
     @torch.no_grad()
     def features(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B,S] -> concat of hidden_states[id+1] over layer_ids, [B,S,n*H]."""
-        out = self.model.model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               output_hidden_states=True, use_cache=False)
+        # No attention_mask: batches are unpadded, and building an all-ones mask costs a graph
+        # break in transformers' mask code, which a whole-step capture cannot contain.
+        out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
         return self._select(out.hidden_states)
 
     @torch.no_grad()

@@ -59,6 +59,9 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     if config.compile == "reduce-overhead" and not on_cuda:
         raise ValueError("--compile reduce-overhead needs CUDA devices (CUDA graphs); use --compile eager on a CPU")
     compiled = config.compile == "reduce-overhead" or (config.compile == "auto" and on_cuda)
+    if config.cuda_graphs == "whole-step" and not compiled:
+        raise ValueError("--cuda-graphs whole-step needs CUDA devices and --compile auto or reduce-overhead")
+    mode = ("whole-step" if config.cuda_graphs == "whole-step" else "reduce-overhead") if compiled else "eager"
     target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
     run = Run(config, placement, target_dir=target_dir, train_jsonl=train_jsonl, compiled=compiled, progress=progress)
     run.eval_prompts = eval_prompts(eval_jsonl, run.data, config.eval_prompts)
@@ -66,9 +69,9 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     drafters = [DrafterWorker(run, i, d) for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(run.fail)
-    log.info("dflash: %s; %d steps; %s", placement.describe(), run.total_steps, "reduce-overhead" if compiled else "eager")
+    log.info("dflash: %s; %d steps; %s", placement.describe(), run.total_steps, mode)
     try:
-        with _switch_interval(config.switch_interval_s(compiled)):
+        with _switch_interval(config.switch_interval_s):
             group.start()
             group.join()
     except KeyboardInterrupt:
@@ -81,8 +84,8 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
         distributed.shutdown()
     run.results.update(
         placement=placement.describe(),
-        mode="reduce-overhead" if compiled else "eager",
-        gil_switch_interval_ms=(config.switch_interval_s(compiled) or sys.getswitchinterval()) * 1000,
+        mode=mode,
+        gil_switch_interval_ms=(config.switch_interval_s or sys.getswitchinterval()) * 1000,
         target_report=report,
         workers={w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
                           "warmup_s": round(w.stats.warmup_seconds, 2), "captures": w.stats.captures,

@@ -12,7 +12,7 @@ import threadgraph
 from .loss import sample_anchors
 from .model import DFlashDrafter
 from .run import Run
-from .step import make_step_fn
+from .step import make_forward_backward, make_step_fn, zero_grad
 
 log = logging.getLogger("dflash")
 
@@ -27,9 +27,8 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
 
     def setup(self) -> None:
         run = self.run_ctx
-        with run.init_lock:  # see Run.init_lock
-            self.target = run.load_target(self.device)
-        self.features = run.compile(self.target.features)
+        self.target = run.load_target(self.device)  # WorkerGroup runs setups one at a time
+        self.features = run.graph(run.compile(self.target.features))
         self.stream = run.sample_stream(shard=self.index, num_shards=run.config.targets)
         # Skip what earlier steps consumed: our k-th batch is global batch k*T + index.
         first = run.start_step * run.config.drafters
@@ -71,24 +70,24 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
 
     def setup(self) -> None:
         run, cfg = self.run_ctx, self.run_ctx.config
-        with run.init_lock:  # see Run.init_lock
-            embed, lm_head = run.load_frozen_heads(self.device)
-            # Identical initial weights in every replica and process, whatever other threads do.
-            drafter = DFlashDrafter.from_target_config(
-                run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers,
-                generator=torch.Generator().manual_seed(cfg.seed),
-            )
-            if self.index == 0 and self.run_ctx.rank == 0 and cfg.eval_every:
-                run.eval_target = run.load_target(self.device)
+        embed, lm_head = run.load_frozen_heads(self.device)  # WorkerGroup runs setups one at a time
+        # Identical initial weights in every replica and process, whatever other threads do.
+        drafter = DFlashDrafter.from_target_config(
+            run.target_config, embed, lm_head, cfg.num_draft_layers, cfg.num_feature_layers,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        if self.index == 0 and self.run_ctx.rank == 0 and cfg.eval_every:
+            run.eval_target = run.load_target(self.device)
         self.drafter = drafter.to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, run.lr_lambda)
         run.restore(self.drafter, self.optimizer, self.scheduler)
-        self.step_fn = run.compile(
+        step_fn = run.compile(
             make_step_fn(self.drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                          mask_token_id=run.mask_token_id, autocast_dtype=run.autocast_dtype)
         )
+        self.forward_backward = run.graph(make_forward_backward(step_fn))
         # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the leader now and then.
         self.history = torch.zeros(run.total_steps, 5, device=self.device)
         self.step_index = run.start_step
@@ -102,13 +101,12 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
             self.stop()
             return
         batch = run.inboxes[self.index].get(self.device)
-        loss, metrics = self.step_fn(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
-        loss.backward()
+        metrics = self.forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
         mean_metrics = run.averager.average(self.index, self.params, metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grad(self.optimizer, self.forward_backward)
         self.history[s] = torch.cat([mean_metrics, grad_norm.reshape(1).float()])
         self.step_index = s + 1
         if self.index == 0:

@@ -166,4 +166,5 @@ def hazards() -> dict[str, bool]:
         "global_fx_tracing_flag (another thread's compile makes compiled calls raise)": dynamo_fx_tracing_check() is not None,
         "global_rng_rewind (each compile restores the global RNG state it saw at its start)": True,
         "global_compile_lock (Dynamo compiles one frame at a time, process-wide)": True,
+        "global_default_dtype (a model load elsewhere changes the dtype a step creates and guards on)": True,
     }

@@ -3,9 +3,10 @@ gradient zeroing) captured as ONE CUDA graph and replayed.
 
 CUDAGraph Trees replays per compiled region and keeps Python bookkeeping per call, under the
 GIL; a replayed whole step costs one ``cudaGraphLaunch`` (the binding releases the GIL) plus
-the input copies. Warmup and capture run on the step's own stream, into its own private memory
-pool, while holding the device gate exclusively, so no other worker's CUDA work overlaps them
-(hazard 2). Backward inside the capture runs on autograd's device thread; the capture is
+the input copies. Warmup and capture run on the step's own stream; the capture records into its
+own private memory pool while holding the device gate exclusively, so no other worker's CUDA
+work overlaps it (hazard 2). Warmup is ordinary device work and holds only the caller's shared
+slot, so a long first compile does not stop the other workers on the device. Backward inside the capture runs on autograd's device thread; the capture is
 stream-based, so those kernels are recorded too.
 """
 
@@ -76,9 +77,9 @@ class StepGraph:
         if self.graph is not None:
             return self._replay(inputs)
         self._check_inputs(inputs)
+        if self.calls <= self.warmup_steps:  # ordinary device work (and compiles): no exclusivity,
+            return self._warmup(inputs)      # so other workers keep running while this one warms up
         with gate_for(str(self._device)).exclusive():
-            if self.calls <= self.warmup_steps:
-                return self._warmup(inputs)
             return self._capture(inputs)
 
     # -- phases ---------------------------------------------------------------------------

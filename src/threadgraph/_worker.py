@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -96,6 +96,8 @@ class CompiledWorkerThread(threading.Thread):
     def stop(self) -> None:
         """Ask the worker to finish after its current step. Idempotent, callable from any thread."""
         self._stop_requested.set()
+        if self._group is not None:
+            self._group._wake()
 
     @property
     def stopping(self) -> bool:
@@ -125,8 +127,10 @@ class CompiledWorkerThread(threading.Thread):
         try:
             self._phase = "setup"
             self._bind()
-            with self.gate():
+            with self._setup_turn(), self.gate():  # the turn first: a queued worker holds no slot
                 self.setup()
+            if self._group is not None:
+                self._group._wait_for_setups(self)
             self._phase = "step"
             self._loop(timer, started)
         except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
@@ -155,6 +159,11 @@ class CompiledWorkerThread(threading.Thread):
             self._group._worker_failed(self, error)
 
     # -- internals -----------------------------------------------------------------------
+    def _setup_turn(self) -> contextlib.AbstractContextManager:
+        if self._group is None or not self._group.serial_setup:
+            return contextlib.nullcontext()
+        return self._group._setup_lock
+
     def _bind(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per host thread (hazard 5)
@@ -208,10 +217,22 @@ class WorkerGroup:
     The first failure stops every other worker, runs the failure callbacks (close your queues
     there so blocked peers wake up) and is re-raised from ``join()``. As a context manager it
     starts the workers on entry and stops and joins them on exit; Ctrl-C stops everything.
+
+    No worker of a started group steps before every worker's ``setup()`` has returned, and with
+    ``serial_setup`` (the default) setups run one at a time. Setups load models, and loading
+    changes process-global state that other threads read: transformers' ``from_pretrained(dtype=)``
+    sets torch's default dtype while it builds, so a step elsewhere creates bfloat16 tensors and
+    a compile fails its own guards ("GLOBAL_STATE changed: default_dtype", hazard 13). Pass
+    ``serial_setup=False`` when setups must run together (for example, when they wait on each
+    other); steps still wait for all setups.
     """
 
-    def __init__(self, workers: Iterable[CompiledWorkerThread] = ()) -> None:
+    def __init__(self, workers: Iterable[CompiledWorkerThread] = (), *, serial_setup: bool = True) -> None:
         self.workers: list[CompiledWorkerThread] = []
+        self.serial_setup = serial_setup
+        self._setup_lock = threading.Lock()
+        self._setups_done = threading.Condition()
+        self._setups_left = 0
         self._lock = threading.Lock()
         self._first_failure: Optional[CompiledWorkerThread] = None
         self._on_failure: list[Callable[[BaseException], None]] = []
@@ -234,6 +255,8 @@ class WorkerGroup:
         return self._first_failure is not None
 
     def start(self) -> "WorkerGroup":
+        with self._setups_done:
+            self._setups_left = len(self.workers)
         for worker in self.workers:
             worker.start()
         return self
@@ -241,6 +264,18 @@ class WorkerGroup:
     def stop(self) -> None:
         for worker in self.workers:
             worker.stop()
+
+    def _wait_for_setups(self, worker: CompiledWorkerThread) -> None:
+        """Count ``worker``'s setup as done; return when all are, or when ``worker`` is stopped."""
+        with self._setups_done:
+            self._setups_left -= 1
+            self._setups_done.notify_all()
+            while self._setups_left > 0 and not worker.stopping:
+                self._setups_done.wait()
+
+    def _wake(self) -> None:
+        with self._setups_done:
+            self._setups_done.notify_all()
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
