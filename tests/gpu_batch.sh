@@ -11,12 +11,13 @@
 #            trainer and the bench on both GPUs
 #   whole    the DFlash bench with whole-step graphs (one GPU, then both) next to Trees, and the
 #            default trainer on one GPU
+#   switch   the whole-step DFlash bench at GIL switch intervals $SWITCH0 / $SWITCH1 ms (GPU 0 / 1)
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -83,6 +84,12 @@ case "$phase" in
      dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1"
     dflash_bench whole-2gpus --devices cuda:0,cuda:1 --cuda-graphs whole-step ;;
+  switch)  # the whole-step pipeline at a shorter GIL switch interval, one interval per GPU
+    (export CUDA_VISIBLE_DEVICES=0; ms=${SWITCH0:-0.5}
+     dflash_bench "whole-$ms-ms" --devices cuda:0 --cuda-graphs whole-step --gil-switch-interval-ms "$ms") & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1; ms=${SWITCH1:-0.1}
+     dflash_bench "whole-$ms-ms" --devices cuda:0 --cuda-graphs whole-step --gil-switch-interval-ms "$ms") & lane1=$!
+    wait "$lane0" "$lane1" ;;
   pair)
     gpu_tests pair "${STEPS:-200}" "${PYTEST_S:-200}" -k "two_gpus or whole_step"
     trainer one-gpu --devices cuda:0
