@@ -250,7 +250,7 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", choices=("trees", "whole-step"),
                    help="both pipelines: CUDAGraph Trees (default) or whole-step graphs (threadgraph.capture_step)")
     p.add_argument("--gil-switch-interval-ms", type=float,
-                   help="the threaded run's GIL switch interval (default: the trainer's auto)")
+                   help="the threaded run's GIL switch interval (default: Python's, 5 ms)")
     p.add_argument("--assets", choices=("default", "tiny"), help="embedded target and data (default; quick: tiny)")
     p.add_argument("--quick", action="store_true", help="CPU reduced form for CI: tiny assets and sizes, few steps")
     p.add_argument("--cell-timeout", type=int, default=600)
