@@ -216,8 +216,9 @@ def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str,
          f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup"],
     ]
     workers = threaded.get("workers", {})
-    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures"]
-    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"]] for name, w in workers.items()]
+    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures", "host ms per phase (p50)"]
+    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"],
+              phase_summary(w.get("phases_p50_ms", {}))] for name, w in workers.items()]
     lines = [
         f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
         f"- devices: {cfg.devices or 'all visible GPUs, else cpu'}; {cfg.targets} target + {cfg.drafters} drafter threads "
@@ -233,6 +234,10 @@ def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str,
         "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
     ]
     return "\n".join(lines), {"ratio": ratio}
+
+
+def phase_summary(phases: dict) -> str:
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) or "-"
 
 
 def parse_args(argv=None):

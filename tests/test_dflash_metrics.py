@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from examples.dflash_trainer.metrics import MetricsLogger, Throughput
+from examples.dflash_trainer.metrics import MetricsLogger, PhaseTimes, Throughput
 
 
 def _read(path):
@@ -111,3 +111,16 @@ def test_throughput_counts_from_threads():
 def test_throughput_window_must_be_positive():
     with pytest.raises(ValueError, match="window_s must be > 0"):
         Throughput(window_s=0)
+
+
+def test_phase_times_split_each_step_and_skip_warmup(monkeypatch):
+    clock = iter([0.0, 0.001, 0.004, 10.0, 10.002, 10.005, 20.0, 20.003, 20.004])
+    monkeypatch.setattr("examples.dflash_trainer.metrics.time.perf_counter", lambda: next(clock))
+    phases = PhaseTimes()
+    for _ in range(3):
+        phases.begin()
+        phases.mark("a")
+        phases.mark("b")
+    assert phases.medians() == pytest.approx({"a": 2.0, "b": 3.0})
+    assert phases.medians(skip=1) == pytest.approx({"a": 2.5, "b": 2.0})
+    assert phases.medians(skip=3) == {}

@@ -41,6 +41,11 @@ def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_p
     names = sorted(result["workers"])
     assert names == [f"drafter-{i}" for i in range(3)] + [f"target-{i}" for i in range(5)]
     assert all(w["steps"] >= 1 for w in result["workers"].values())
+    # where each thread's step goes, for attributing a slow pipeline
+    assert {"wait_batch", "forward_backward", "average", "optimizer", "leader"} == set(result["workers"]["drafter-0"]["phases_p50_ms"])
+    assert {"prepare", "forward", "hand_off"} == set(result["workers"]["target-4"]["phases_p50_ms"])
+    drafter = result["workers"]["drafter-1"]
+    assert 0 < sum(drafter["phases_p50_ms"].values()) < 3 * drafter["p90_ms"]
     assert result["eval"]["tau"] >= 1.0 and "tau_random_init" in result["baseline"]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert any("loss" in json.loads(line) for line in lines)

@@ -16,9 +16,41 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["MetricsLogger", "Throughput"]
+__all__ = ["MetricsLogger", "PhaseTimes", "Throughput"]
 
 _RESERVED = ("step", "time", "elapsed_s")
+
+
+class PhaseTimes:
+    """Host wall time of each phase of a worker's steps, in ms: where a thread's step goes.
+
+    ``begin()`` at the start of a step, ``mark("phase")`` at the end of each phase. Times are
+    host-side (perf_counter): they include waiting for the GIL, for peers and for the device,
+    which is what a threaded pipeline needs to attribute; GPU work that runs asynchronously is not
+    in them.
+    """
+
+    def __init__(self) -> None:
+        self.ms: dict[str, list[float]] = collections.defaultdict(list)
+        self._last = 0.0
+
+    def begin(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.ms[phase].append((now - self._last) * 1000)
+        self._last = now
+
+    def medians(self, skip: int = 0) -> dict[str, float]:
+        """Median ms of each phase over its samples after the first ``skip`` (warmup)."""
+        out = {}
+        for phase, values in self.ms.items():
+            kept = sorted(values[skip:])
+            if kept:
+                mid = len(kept) // 2
+                out[phase] = kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
+        return out
 
 
 def _jsonable(value: Any) -> Any:

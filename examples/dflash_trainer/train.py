@@ -89,7 +89,8 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
         target_report=report,
         workers={w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
                           "warmup_s": round(w.stats.warmup_seconds, 2), "captures": w.stats.captures,
-                          "steps": w.stats.steps} for w in group.workers},
+                          "steps": w.stats.steps, "phases_p50_ms": w.phases.medians(skip=w.warmup_steps)}
+                 for w in group.workers},
         out_dir=str(Path(config.out_dir)),
     )
     return run.results

@@ -10,6 +10,7 @@ import torch
 import threadgraph
 
 from .loss import sample_anchors
+from .metrics import PhaseTimes
 from .model import DFlashDrafter
 from .run import Run
 from .step import make_forward_backward, make_step_fn, zero_grad
@@ -24,6 +25,7 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
     def __init__(self, run: Run, index: int, device: str) -> None:
         super().__init__(device, name=f"target-{index}", warmup_steps=3)
         self.run_ctx, self.index = run, index
+        self.phases = PhaseTimes()
 
     def setup(self) -> None:
         run = self.run_ctx
@@ -43,12 +45,15 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
         if b >= run.total_steps * cfg.drafters:
             self.stop()
             return
+        self.phases.begin()
         ids, loss_mask = self.stream.next_batch()
         # Anchors depend on the batch index only, never on which thread consumes the batch.
         self.anchor_rng.manual_seed(run.anchor_seed(b))
         anchors, keep = sample_anchors(loss_mask, cfg.num_anchors, self.anchor_rng)
         ids = ids.to(self.device, non_blocking=True)
+        self.phases.mark("prepare")
         features = self.features(ids)
+        self.phases.mark("forward")
         item = {
             "ids": ids,
             "loss_mask": loss_mask.to(self.device, non_blocking=True),
@@ -57,6 +62,7 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
             "keep": keep.to(self.device, non_blocking=True),
         }
         run.inboxes[b % cfg.drafters].put(b, item)
+        self.phases.mark("hand_off")
         self.k += 1
 
 
@@ -66,6 +72,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
     def __init__(self, run: Run, index: int, device: str) -> None:
         super().__init__(device, name=f"drafter-{index}", warmup_steps=3)
         self.run_ctx, self.index = run, index
+        self.phases = PhaseTimes()
         self.history = None
 
     def setup(self) -> None:
@@ -100,14 +107,20 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         if s >= run.total_steps:
             self.stop()
             return
+        self.phases.begin()
         batch = run.inboxes[self.index].get(self.device)
+        self.phases.mark("wait_batch")
         metrics = self.forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+        self.phases.mark("forward_backward")
         mean_metrics = run.averager.average(self.index, self.params, metrics)
+        self.phases.mark("average")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         zero_grad(self.optimizer, self.forward_backward)
         self.history[s] = torch.cat([mean_metrics, grad_norm.reshape(1).float()])
+        self.phases.mark("optimizer")
         self.step_index = s + 1
         if self.index == 0:
             run.leader_after_step(self, s + 1)
+            self.phases.mark("leader")  # logging, eval and checkpoints: rare but long
