@@ -12,12 +12,14 @@
 #   whole    the DFlash bench with whole-step graphs (one GPU, then both) next to Trees, and the
 #            default trainer on one GPU
 #   switch   the whole-step DFlash bench at GIL switch intervals $SWITCH0 / $SWITCH1 ms (GPU 0 / 1)
+#   eight    (nvidia-h200-x8) the trainer and the DFlash bench with one GPU per worker;
+#   eight-replay  (nvidia-h200-x8) replay_step_time with 8 workers one per GPU
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -84,6 +86,14 @@ case "$phase" in
      dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1"
     dflash_bench whole-2gpus --devices cuda:0,cuda:1 --cuda-graphs whole-step ;;
+  eight)  # issue 6 on nvidia-h200-x8: the trainer and the DFlash bench, one GPU per worker (~7 min)
+    all8=cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7
+    TRAIN_S=${TRAIN_S:-240} trainer eight-gpus
+    dflash_bench trees-8gpus --devices "$all8"
+    dflash_bench whole-8gpus --devices "$all8" --cuda-graphs whole-step ;;
+  eight-replay)  # issue 6: per-thread replay step time, 8 workers one per GPU, against one alone
+    timeout "${BENCH_S:-540}" python3 benchmarks/replay_step_time.py --tasks train --placements main,worker,per-gpu \
+      --modes eager,reduce-overhead,whole-step --out-dir "$THREADGRAPH_GPU_LOG/replay-8gpus" 2>&1 | tail -30 ;;
   switch)  # the whole-step pipeline at a shorter GIL switch interval, one interval per GPU
     (export CUDA_VISIBLE_DEVICES=0; ms=${SWITCH0:-0.5}
      dflash_bench "whole-$ms-ms" --devices cuda:0 --cuda-graphs whole-step --gil-switch-interval-ms "$ms") & lane0=$!
