@@ -16,7 +16,7 @@ import signal
 import sys
 import typing
 
-from .config import TrainConfig
+from .config import CHOICES, TrainConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", default=field.default)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        parser.add_argument(flag, type=base, default=field.default, help=f"default: {field.default}")
+        parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
+                            help=f"default: {field.default}")
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     return parser
 

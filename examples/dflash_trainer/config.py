@@ -15,6 +15,7 @@ _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
 _CUDA_GRAPHS = ("trees", "whole-step")
+CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS}  # for the CLI
 
 
 @dataclass
