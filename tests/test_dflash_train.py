@@ -121,14 +121,6 @@ def test_gradient_average_across_drafter_threads():
     assert all(float(e) == pytest.approx(1.0) for e in extras)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
     script = tmp_path / "dist_avg.py"
     script.write_text(
@@ -144,7 +136,7 @@ def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
         "dist.destroy_process_group()\n"
     )
     env = dict(os.environ, OUT_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     grads = [torch.randn(7, generator=torch.Generator().manual_seed(r)) for r in range(2)]
@@ -172,7 +164,7 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 
 
 def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "examples.dflash_trainer", "--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl),
            "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
            "--num-target-layers-used", "1", "--max-steps", "6", "--eval-every", "0", "--checkpoint-every", "3",
@@ -307,3 +299,18 @@ def test_a_gil_switch_interval_is_applied_for_the_run_and_restored(tiny_assets, 
                     progress=lambda record: seen.append(sys.getswitchinterval()))
     assert seen and all(abs(s - 0.00025) < 1e-9 for s in seen)
     assert sys.getswitchinterval() == before and results["gil_switch_interval_ms"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_process_group_is_torn_down_only_after_a_finished_run(finished):
+    import torch.distributed as dist
+
+    from examples.dflash_trainer import distributed
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        distributed.shutdown(finished)
+        assert dist.is_initialized() is not finished  # after a failure peers may be mid-collective
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

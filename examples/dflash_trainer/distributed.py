@@ -3,10 +3,13 @@ drafters, and drafter gradients are averaged across processes with torch.distrib
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("dflash")
 
 
 def init_from_env() -> bool:
@@ -33,6 +36,16 @@ def local_devices(devices: list[str]) -> list[str]:
     return mine
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(finished: bool) -> None:
+    """Leave the process group. After a finished run every rank first waits for the others: a rank
+    that tore gloo down while its peer still finished its last step was seen to abort the peer
+    ("terminate called without an active exception"). After a failure, peers may be stuck in a
+    collective, and both the barrier and the teardown could hang: the process exits with the
+    group still up instead (as torchtitan does)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not finished:
+        log.warning("dflash: the run failed; leaving the process group without tearing it down")
+        return
+    dist.barrier()
+    dist.destroy_process_group()

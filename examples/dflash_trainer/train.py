@@ -70,10 +70,12 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(run.fail)
     log.info("dflash: %s; %d steps; %s", placement.describe(), run.total_steps, mode)
+    finished = False
     try:
         with _switch_interval(config.switch_interval_s):
             group.start()
             group.join()
+        finished = True
     except KeyboardInterrupt:
         saved = run.save_on_interrupt()
         run.results["interrupted_checkpoint"] = str(saved) if saved else None
@@ -81,7 +83,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     finally:
         if run.metrics is not None:
             run.metrics.close()
-        distributed.shutdown()
+        distributed.shutdown(finished)
     run.results.update(
         placement=placement.describe(),
         mode=mode,
