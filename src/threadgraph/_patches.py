@@ -179,7 +179,7 @@ PATCHES = [
     # the lock (the second one-GPU DFlash stall on an H200).
     Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__",
           "3: Dynamo compiles under one process-wide lock; a worker queued on it must not hold its slot",
-          "releases with CatchErrorsWrapper (feature-detected; run on 2.13, not yet on 2.11)", "never (the lock is process-wide)",
+          "releases with CatchErrorsWrapper (feature-detected; 2.13 on CPU, 2.11 on an H200)", "never (the lock is process-wide)",
           "seen on an H200, torch 2.11: 8 DFlash workers on one GPU, captures stalled behind queued compiles",
           _release_slots, applies=lambda: _compat.dynamo_frame_callback() is not None),
     Patch("gate_release_in_backward", "torch.autograd:backward",
