@@ -26,6 +26,15 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def finish_cell(out_path: str, result, default=None) -> None:
+    """End a benchmark cell subprocess: write its result as JSON for the driver, then exit at once,
+    skipping interpreter teardown (leftover compile, worker or profiler threads can abort it)."""
+    Path(out_path).write_text(json.dumps(result, default=default))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled threadgraph

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -75,8 +74,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
 
     devices = available_devices(cfg.device_list)
     on_cuda = devices[0].startswith("cuda")
-    compiled = cfg.compile == "reduce-overhead" or (cfg.compile == "auto" and on_cuda)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and on_cuda)
+    compiled = cfg.compiled_on(on_cuda)
+    bf16 = cfg.bf16_on(on_cuda)
     autocast = torch.bfloat16 if bf16 else None
     target_dir, train_jsonl, _, _ = resolve_inputs(cfg)
     n = cfg.num_feature_layers
@@ -152,7 +151,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
         "devices": devices,
-        "mode": ("whole-step" if cfg.cuda_graphs == "whole-step" else "reduce-overhead") if compiled else "eager",
+        "mode": cfg.mode_on(on_cuda),
         "loss_last": float(replicas[0]["losses"][-1]),
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
@@ -293,10 +292,7 @@ def main(argv=None) -> int:
             result = run_threaded(cfg)
         else:
             result = run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
-        Path(args.cell_out).write_text(json.dumps(result, default=str))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: leftover compile/worker threads can abort it
+        common.finish_cell(args.cell_out, result, default=str)
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -554,10 +553,7 @@ def main(argv=None) -> int:
     if args.cell:
         if not common.on_gpu():
             torch.set_num_threads(1)  # see CPU_THREADS_NOTE
-        Path(args.cell_out).write_text(json.dumps(run_cell(args, *args.cell)))  # a row
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: leftover compile/profiler threads can abort it
+        common.finish_cell(args.cell_out, run_cell(args, *args.cell))  # a row
     env = common.environment()
     started = time.perf_counter()
     rows = run_all(args)

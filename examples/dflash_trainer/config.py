@@ -110,6 +110,19 @@ class TrainConfig:
             )
         return _DEFAULT_GAMMA[self.block_size]
 
+    def compiled_on(self, on_cuda: bool) -> bool:
+        """Whether the run compiles: reduce-overhead asked for, or auto on CUDA."""
+        return self.compile == "reduce-overhead" or (self.compile == "auto" and on_cuda)
+
+    def mode_on(self, on_cuda: bool) -> str:
+        """How steps execute: "eager", "reduce-overhead" (CUDAGraph Trees) or "whole-step"."""
+        if not self.compiled_on(on_cuda):
+            return "eager"
+        return "whole-step" if self.cuda_graphs == "whole-step" else "reduce-overhead"
+
+    def bf16_on(self, on_cuda: bool) -> bool:
+        return self.dtype == "bfloat16" or (self.dtype == "auto" and on_cuda)
+
     @property
     def switch_interval_s(self) -> float | None:
         """The GIL switch interval to run with, in seconds; None = leave Python's."""

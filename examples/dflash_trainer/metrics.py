@@ -12,6 +12,7 @@ import collections
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from typing import Any, Callable
@@ -44,13 +45,7 @@ class PhaseTimes:
 
     def medians(self, skip: int = 0) -> dict[str, float]:
         """Median ms of each phase over its samples after the first ``skip`` (warmup)."""
-        out = {}
-        for phase, values in self.ms.items():
-            kept = sorted(values[skip:])
-            if kept:
-                mid = len(kept) // 2
-                out[phase] = kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
-        return out
+        return {phase: statistics.median(values[skip:]) for phase, values in self.ms.items() if values[skip:]}
 
 
 def _jsonable(value: Any) -> Any:

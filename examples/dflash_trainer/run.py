@@ -64,8 +64,7 @@ class Run:
             for d in range(config.drafters)
         ]
         self.averager = GradientAverager(config.drafters)
-        on_cuda = placement.drafters[0].startswith("cuda")
-        use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and on_cuda)
+        use_bf16 = config.bf16_on(placement.drafters[0].startswith("cuda"))
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
         self.target_dtype = torch.bfloat16 if use_bf16 else torch.float32
         self.metrics = MetricsLogger(self.out_dir / "metrics.jsonl") if self.rank == 0 else None

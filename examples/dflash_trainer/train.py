@@ -58,10 +58,10 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     on_cuda = devices[0].startswith("cuda")
     if config.compile == "reduce-overhead" and not on_cuda:
         raise ValueError("--compile reduce-overhead needs CUDA devices (CUDA graphs); use --compile eager on a CPU")
-    compiled = config.compile == "reduce-overhead" or (config.compile == "auto" and on_cuda)
+    compiled = config.compiled_on(on_cuda)
     if config.cuda_graphs == "whole-step" and not compiled:
         raise ValueError("--cuda-graphs whole-step needs CUDA devices and --compile auto or reduce-overhead")
-    mode = ("whole-step" if config.cuda_graphs == "whole-step" else "reduce-overhead") if compiled else "eager"
+    mode = config.mode_on(on_cuda)
     target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
     run = Run(config, placement, target_dir=target_dir, train_jsonl=train_jsonl, compiled=compiled, progress=progress)
     run.eval_prompts = eval_prompts(eval_jsonl, run.data, config.eval_prompts)
