@@ -68,7 +68,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.loss import sample_anchors
     from examples.dflash_trainer.model import DFlashDrafter
     from examples.dflash_trainer.placement import available_devices
-    from examples.dflash_trainer.step import capture_graph, compile_fn, make_forward_backward, make_step_fn, zero_grad
+    from examples.dflash_trainer.grads import FlatGrads, make_optimizer
+    from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, compile_fn, make_forward_backward,
+                                              make_step_fn)
     from examples.dflash_trainer.target import TargetModel
     from examples.dflash_trainer.train import resolve_inputs
 
@@ -95,12 +97,13 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
                                                    cfg.num_draft_layers, n,
                                                    generator=torch.Generator().manual_seed(cfg.seed)).to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        grads = FlatGrads(params, extras=len(METRIC_NAMES))
+        opt = make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                                mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
         replicas.append(dict(device=device, features=capture_graph(compile_fn(target.features, **how), **how),
                              forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how)), **how),
-                             params=params, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                             grads=grads, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                              stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices)),
                              losses=[]))
 
@@ -132,12 +135,12 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             if i == 0:
                 fwd_timer.stop()
                 step_timer.start()
+            rep["grads"].zero_()
             metrics = rep["forward_backward"](ids, loss_mask.to(device, non_blocking=True), features,
                                               anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
-            torch.nn.utils.clip_grad_norm_(rep["params"], cfg.grad_clip)
+            rep["grads"].clip_(cfg.grad_clip)
             rep["opt"].step()
             rep["sched"].step()
-            zero_grad(rep["opt"], rep["forward_backward"])
             rep["losses"].append(metrics[0].detach().clone())
             if i == 0:
                 step_timer.stop()

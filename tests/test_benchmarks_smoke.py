@@ -93,3 +93,25 @@ def test_dflash_throughput_quick(runs):
         assert data[name]["tokens_per_s"] > 0
     assert data["ratio"] is not None
     assert _one(out_dir, "cpu_torch*_dflash-throughput.md").exists()
+
+
+def test_gil_profile_quick(runs, tmp_path):
+    procs, skip = runs
+    if skip:
+        pytest.skip(skip)
+    for proc, _ in procs.values():  # after the other two: two cores
+        proc.wait(timeout=300)
+    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gil_profile.py"), "--quick", "--steps", "200", "--start-step", "30",
+           "--seconds", "3", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    if proc.returncode != 0 and any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "py-spy not found")):
+        pytest.skip(f"py-spy cannot sample here: {proc.stderr.strip().splitlines()[-1][:200]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(_one(tmp_path, "cpu_torch*_gil-profile.json").read_text())
+    assert 0 < data["gil_busy"] <= 1.05
+    where = {(r["thread"], r["line"].split(" ", 1)[1]) for r in data["lines"]}
+    assert any(t == "drafter" and "forward_backward" in line for t, line in where), where
+    assert any(t == "target" and "self.features(ids)" in line for t, line in where), where
+    assert _one(tmp_path, "cpu_torch*_gil-profile_gil.txt").stat().st_size > 0

@@ -14,6 +14,7 @@ import torch
 
 from examples.dflash_trainer.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
+from examples.dflash_trainer.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
 from examples.dflash_trainer.train import train
 
@@ -94,22 +95,23 @@ def test_target_without_data_is_a_clear_error(tiny_assets, tmp_path):
 
 def _average_in_threads(grads_per_replica):
     averager = GradientAverager(len(grads_per_replica))
-    params = []
-    for g in grads_per_replica:
+    flats = []
+    for i, g in enumerate(grads_per_replica):
         p = torch.nn.Parameter(torch.zeros_like(g))
-        p.grad = g.clone()
-        params.append(p)
-    extras = [None] * len(params)
+        flat = FlatGrads([p], extras=1)
+        p.grad.copy_(g)
+        flat.extras.fill_(float(i))
+        flats.append(flat)
 
     def run(i):
-        extras[i] = averager.average(i, [params[i]], torch.tensor([float(i)]))
+        averager.average(i, flats[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(params))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(flats))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    return [p.grad for p in params], extras
+    return [f.params[0].grad for f in flats], [f.extras for f in flats]
 
 
 def test_gradient_average_across_drafter_threads():
@@ -126,12 +128,13 @@ def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
     script.write_text(
         "import os, sys, torch, torch.distributed as dist\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from examples.dflash_trainer.grads import FlatGrads\n"
         "from examples.dflash_trainer.routing import GradientAverager\n"
         "dist.init_process_group('gloo')\n"
         "r = dist.get_rank()\n"
         "g = torch.Generator().manual_seed(r); grad = torch.randn(7, generator=g)\n"
-        "p = torch.nn.Parameter(torch.zeros(7)); p.grad = grad.clone()\n"
-        "GradientAverager(1).average(0, [p], torch.zeros(1))\n"
+        "p = torch.nn.Parameter(torch.zeros(7)); flat = FlatGrads([p], extras=1); p.grad.copy_(grad)\n"
+        "GradientAverager(1).average(0, flat)\n"
         "torch.save(p.grad, os.environ['OUT_DIR'] + f'/rank{r}.pt')\n"
         "dist.destroy_process_group()\n"
     )
@@ -270,26 +273,6 @@ def test_whole_step_graphs_without_cuda_get_one_clear_error(tiny_assets, tmp_pat
         train(tiny_config(tiny_assets, tmp_path, cuda_graphs="whole-step"))
     with pytest.raises(ValueError, match="cuda_graphs must be one of"):
         tiny_config(tiny_assets, tmp_path, cuda_graphs="whole")
-
-
-def test_gradients_a_captured_graph_owns_are_kept_between_steps():
-    from examples.dflash_trainer.step import zero_grad
-
-    class Step:
-        captured = False
-
-    param = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    step = Step()
-    param.grad = torch.ones(3)
-    zero_grad(optimizer, step)  # warmup: the next call (the capture) must see no gradients
-    assert param.grad is None
-    param.grad = static = torch.ones(3)
-    step.captured = True
-    zero_grad(optimizer, step)  # each replay writes into these very tensors
-    assert param.grad is static
-    zero_grad(optimizer, lambda *batch: None)  # Trees and eager: a plain function
-    assert param.grad is None
 
 
 def test_a_gil_switch_interval_is_applied_for_the_run_and_restored(tiny_assets, tmp_path):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import threadgraph
 
 from .channel import Channel, ChannelClosed
+from .grads import FlatGrads
 
 
 class OrderedInbox:
@@ -52,19 +53,21 @@ class OrderedInbox:
 
 
 class GradientAverager:
-    """All-reduce of gradients over the drafter replicas of this process and, with
-    torch.distributed, over processes (only replica 0 talks to the process group).
+    """All-reduce of the flat gradient buffers (``grads.FlatGrads``) of the drafter replicas of
+    this process and, with torch.distributed, over processes (only replica 0 talks to the
+    process group). Two barrier waits per step: all buffers written, then the mean ready.
 
     All replicas on one device share its default stream, and stream order follows the barrier
     order, so no extra events are needed; copies across devices are ordered by PyTorch against
-    the current streams of both devices.
+    the current streams of both devices. Replica 0 replaces the mean only after the next step's
+    first wait, which every replica reaches after enqueuing its copy of the current one.
     """
 
     def __init__(self, replicas: int) -> None:
         self.replicas = replicas
         self._barrier = threading.Barrier(replicas)
-        self._flats: list[Optional[torch.Tensor]] = [None] * replicas
-        self._total: Optional[torch.Tensor] = None
+        self._buffers: list[Optional[torch.Tensor]] = [None] * replicas
+        self._mean: Optional[torch.Tensor] = None
 
     def abort(self, _error: BaseException | None = None) -> None:
         self._barrier.abort()
@@ -73,28 +76,18 @@ class GradientAverager:
         with threadgraph.released():
             self._barrier.wait()
 
-    def average(self, replica: int, params: list[torch.Tensor], extras: torch.Tensor) -> torch.Tensor:
-        """Replace each ``p.grad`` by the mean over all replicas; returns the mean of ``extras``."""
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [extras.reshape(-1).float()])
-        self._flats[replica] = flat
+    def average(self, replica: int, grads: FlatGrads) -> None:
+        """Replace ``grads.buffer`` (gradients and extras) by its mean over all replicas."""
+        self._buffers[replica] = grads.buffer
         self._wait()
         if replica == 0:
-            total = flat.clone()
-            for other in self._flats[1:]:
-                total += other.to(total.device, non_blocking=True)
+            mean = grads.buffer.clone()
+            for other in self._buffers[1:]:
+                mean += other.to(mean.device, non_blocking=True)
             world = 1
             if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(total)
+                dist.all_reduce(mean)
                 world = dist.get_world_size()
-            self._total = total.div_(self.replicas * world)
+            self._mean = mean.div_(self.replicas * world)
         self._wait()
-        mean = self._total if replica == 0 else self._total.to(flat.device, non_blocking=True)
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
-            offset += n
-        # A third wait keeps replica 0 from overwriting _total while others still copy from it.
-        result = mean[offset:].clone()
-        self._wait()
-        return result
+        grads.buffer.copy_(self._mean, non_blocking=True)

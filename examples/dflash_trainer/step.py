@@ -59,8 +59,8 @@ def capture_graph(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable
 
 
 def make_forward_backward(step_fn: StepFn) -> Callable[..., torch.Tensor]:
-    """The step's loss.backward(); returns the metrics. Captured as one graph (Run.graph), the
-    backward writes the gradients into the same tensors at every replay: see zero_grad()."""
+    """The step's loss.backward(); returns the metrics. The gradients land in the parameters'
+    existing ``.grad`` tensors (grads.FlatGrads), also at every replay of a captured graph."""
 
     def forward_backward(ids, loss_mask, features, anchors, keep):
         loss, metrics = step_fn(ids, loss_mask, features, anchors, keep)
@@ -68,13 +68,6 @@ def make_forward_backward(step_fn: StepFn) -> Callable[..., torch.Tensor]:
         return metrics
 
     return forward_backward
-
-
-def zero_grad(optimizer: torch.optim.Optimizer, forward_backward: Callable) -> None:
-    """Drop the gradients, unless a captured graph owns them: its backward assigns (never adds)
-    them at every replay, and eager code must keep reading the tensors the capture wrote."""
-    if not getattr(forward_backward, "captured", False):
-        optimizer.zero_grad(set_to_none=True)
 
 
 METRIC_NAMES = ("loss", "weight_sum", "acc", "acc_k1")

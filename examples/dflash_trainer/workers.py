@@ -9,11 +9,12 @@ import torch
 
 import threadgraph
 
+from .grads import FlatGrads, make_optimizer
 from .loss import sample_anchors
 from .metrics import PhaseTimes
 from .model import DFlashDrafter
 from .run import Run
-from .step import make_forward_backward, make_step_fn, zero_grad
+from .step import METRIC_NAMES, make_forward_backward, make_step_fn
 
 log = logging.getLogger("dflash")
 
@@ -87,7 +88,8 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
             run.eval_target = run.load_target(self.device)
         self.drafter = drafter.to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.grads = FlatGrads(self.params, extras=len(METRIC_NAMES))
+        self.optimizer = make_optimizer(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, run.lr_lambda)
         run.restore(self.drafter, self.optimizer, self.scheduler)
         step_fn = run.compile(
@@ -110,15 +112,16 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self.phases.begin()
         batch = run.inboxes[self.index].get(self.device)
         self.phases.mark("wait_batch")
+        self.grads.zero_()
         metrics = self.forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+        self.grads.extras.copy_(metrics)
         self.phases.mark("forward_backward")
-        mean_metrics = run.averager.average(self.index, self.params, metrics)
+        run.averager.average(self.index, self.grads)
         self.phases.mark("average")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        grad_norm = self.grads.clip_(cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        zero_grad(self.optimizer, self.forward_backward)
-        self.history[s] = torch.cat([mean_metrics, grad_norm.reshape(1).float()])
+        self.history[s] = torch.cat([self.grads.extras, grad_norm.reshape(1)])
         self.phases.mark("optimizer")
         self.step_index = s + 1
         if self.index == 0:
