@@ -14,12 +14,14 @@
 #   switch   the whole-step DFlash bench at GIL switch intervals $SWITCH0 / $SWITCH1 ms (GPU 0 / 1)
 #   eight    (nvidia-h200-x8) the trainer and the DFlash bench with one GPU per worker;
 #   eight-replay  (nvidia-h200-x8) replay_step_time with 8 workers one per GPU
+#   profile  (carry .whl with a py-spy wheel) GIL profiles of the threaded pipeline, whole-step and
+#            Trees; the DFlash bench for both; the trainer with whole-step graphs, eval and checkpoints
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -107,6 +109,21 @@ case "$phase" in
   trainer)
     trainer one-gpu --devices cuda:0
     trainer all-gpus ;;
+  profile)  # where the threaded pipeline's GIL time goes (issue 5), and the whole-step trainer in full
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy*.whl && export PATH=/tmp/site/bin:$PATH
+    gil_profile() {  # gil_profile TAG [bench flags]
+      local tag=$1; shift
+      timeout "${PROFILE_S:-200}" python3 benchmarks/gil_profile.py --out-dir "$THREADGRAPH_GPU_LOG/$tag" "$@" 2>&1 \
+        | grep -E "GIL busy|^\| (drafter|target) |GIL share|rror" | sed "s/^/[$tag] /"
+    }
+    (export CUDA_VISIBLE_DEVICES=0
+     gil_profile gil-whole --devices cuda:0 --cuda-graphs whole-step --steps 2500 --start-step 150
+     dflash_bench whole-1gpu --devices cuda:0 --cuda-graphs whole-step) & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1
+     gil_profile gil-trees --devices cuda:0 --steps 1500 --start-step 150
+     TRAIN_S=${TRAIN_S:-200} trainer whole-step --devices cuda:0 --cuda-graphs whole-step
+     dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
+    wait "$lane0" "$lane1" ;;
   bench)
     timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -40
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;
