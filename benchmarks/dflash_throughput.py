@@ -69,8 +69,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.model import DFlashDrafter
     from examples.dflash_trainer.placement import available_devices
     from examples.dflash_trainer.grads import FlatGrads, make_optimizer
-    from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, compile_fn, make_forward_backward,
-                                              make_step_fn)
+    from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, captures, compile_fn,
+                                              make_forward_backward, make_step_fn, make_update)
     from examples.dflash_trainer.target import TargetModel
     from examples.dflash_trainer.train import resolve_inputs
 
@@ -85,6 +85,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     data = read_jsonl(train_jsonl, tokenizer=target_shape.tokenizer, seq_len=cfg.seq_len,
                       vocab_size=target_shape.vocab_size)
     how = dict(compiled=compiled, cuda_graphs=cfg.cuda_graphs)
+    total = (cfg.max_steps or 1) * cfg.drafters  # batches, as many as the threaded run
+    rounds = -(-total // len(devices))
 
     replicas = []
     for i, dev in enumerate(devices):
@@ -98,17 +100,16 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
                                                    generator=torch.Generator().manual_seed(cfg.seed)).to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         grads = FlatGrads(params, extras=len(METRIC_NAMES))
-        opt = make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=captures(**how))
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                                mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
+        history = torch.zeros(rounds, len(METRIC_NAMES) + 1, device=device)
         replicas.append(dict(device=device, features=capture_graph(compile_fn(target.features, **how), **how),
-                             forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how)), **how),
-                             grads=grads, opt=opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                             stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices)),
-                             losses=[]))
+                             forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how), grads), **how),
+                             update=capture_graph(make_update(grads, opt, history, max_norm=cfg.grad_clip, first_step=0), **how),
+                             history=history, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                             stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices))))
 
-    total = (cfg.max_steps or 1) * cfg.drafters  # batches, as many as the threaded run
-    rounds = -(-total // len(replicas))
     warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
     anchor_rng = torch.Generator()
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
@@ -135,13 +136,10 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             if i == 0:
                 fwd_timer.stop()
                 step_timer.start()
-            rep["grads"].zero_()
-            metrics = rep["forward_backward"](ids, loss_mask.to(device, non_blocking=True), features,
-                                              anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
-            rep["grads"].clip_(cfg.grad_clip)
-            rep["opt"].step()
+            rep["forward_backward"](ids, loss_mask.to(device, non_blocking=True), features,
+                                    anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
+            rep["update"]()
             rep["sched"].step()
-            rep["losses"].append(metrics[0].detach().clone())
             if i == 0:
                 step_timer.stop()
     wall.finish()
@@ -155,7 +153,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "warmup_batches": warm_rounds * len(replicas),
         "devices": devices,
         "mode": cfg.mode_on(on_cuda),
-        "loss_last": float(replicas[0]["losses"][-1]),
+        "loss_last": float(replicas[0]["history"][-1, 0]),
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
         "drafter_step_p90_ms": common.p90(step_timer.ms),

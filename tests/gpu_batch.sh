@@ -16,12 +16,14 @@
 #   eight-replay  (nvidia-h200-x8) replay_step_time with 8 workers one per GPU
 #   profile  (carry .whl with a py-spy wheel) GIL profiles of the threaded pipeline, whole-step and
 #            Trees; the DFlash bench for both; the trainer with whole-step graphs, eval and checkpoints
+#   final    whole-step tests, the GIL profile and both DFlash benches after the captured optimizer;
+#            the whole-step trainer in full, resumed from a checkpoint, and on both GPUs
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -45,7 +47,7 @@ gpu_tests() {  # gpu_tests TAG STEPS SECONDS [-k EXPR]
 trainer() {  # trainer TAG [trainer flags]
   local tag=$1; shift
   # on timeout: SIGUSR1 first (the trainer prints every thread's stack), then TERM 20 s later
-  THREADGRAPH_GATE_TIMEOUT=${GATE_S:-150} timeout -s USR1 -k 20 "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "/tmp/dflash-$tag" --json \
+  THREADGRAPH_GATE_TIMEOUT=${GATE_S:-150} timeout -s USR1 -k 20 "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "${TRAIN_DIR:-/tmp/dflash-$tag}" --json \
     > "$OUT/dflash-$tag.json" 2> "$THREADGRAPH_GPU_LOG/dflash-$tag.err"
   echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
 }
@@ -109,21 +111,37 @@ case "$phase" in
   trainer)
     trainer one-gpu --devices cuda:0
     trainer all-gpus ;;
-  profile)  # where the threaded pipeline's GIL time goes (issue 5), and the whole-step trainer in full
+  profile|final)  # where the threaded pipeline's GIL time goes (issue 5); the whole-step trainer in full
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy*.whl && export PATH=/tmp/site/bin:$PATH
     gil_profile() {  # gil_profile TAG [bench flags]
       local tag=$1; shift
       timeout "${PROFILE_S:-200}" python3 benchmarks/gil_profile.py --out-dir "$THREADGRAPH_GPU_LOG/$tag" "$@" 2>&1 \
         | grep -E "GIL busy|^\| (drafter|target) |GIL share|rror" | sed "s/^/[$tag] /"
     }
-    (export CUDA_VISIBLE_DEVICES=0
-     gil_profile gil-whole --devices cuda:0 --cuda-graphs whole-step --steps 2500 --start-step 150
-     dflash_bench whole-1gpu --devices cuda:0 --cuda-graphs whole-step) & lane0=$!
-    (export CUDA_VISIBLE_DEVICES=1
-     gil_profile gil-trees --devices cuda:0 --steps 1500 --start-step 150
-     TRAIN_S=${TRAIN_S:-200} trainer whole-step --devices cuda:0 --cuda-graphs whole-step
-     dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
-    wait "$lane0" "$lane1" ;;
+    whole=(--devices cuda:0 --cuda-graphs whole-step)
+    if [ "$phase" = profile ]; then
+      (export CUDA_VISIBLE_DEVICES=0
+       gil_profile gil-whole "${whole[@]}" --steps 2500 --start-step 150
+       dflash_bench whole-1gpu "${whole[@]}") & lane0=$!
+      (export CUDA_VISIBLE_DEVICES=1
+       gil_profile gil-trees --devices cuda:0 --steps 1500 --start-step 150
+       TRAIN_S=${TRAIN_S:-200} trainer whole-step "${whole[@]}"
+       dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
+      wait "$lane0" "$lane1"
+    else
+      (export CUDA_VISIBLE_DEVICES=0
+       gpu_tests whole 200 120 -k "whole_step"
+       PROFILE_S=170 gil_profile gil-whole "${whole[@]}" --steps 3000 --start-step 150
+       DFLASH_BENCH_S=200 dflash_bench whole-1gpu "${whole[@]}") & lane0=$!
+      (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=150
+       trainer whole-step "${whole[@]}"
+       trainer resume-a "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0
+       rm -rf /tmp/dflash-resume-a/checkpoints/step_00000100
+       TRAIN_DIR=/tmp/dflash-resume-a trainer resume-b "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0 --resume
+       DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
+      wait "$lane0" "$lane1"
+      TRAIN_S=150 trainer whole-2gpus --cuda-graphs whole-step
+    fi ;;
   bench)
     timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -40
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;

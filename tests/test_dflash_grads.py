@@ -74,3 +74,44 @@ def test_optimizer_steps_on_the_views():
     optimizer.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, params))
     flat.zero_()  # the optimizer left the views in place
+
+
+def test_update_clips_steps_and_records_rows_like_the_eager_recipe():
+    from examples.dflash_trainer.step import make_update
+
+    x = torch.randn(5, 4) * 5
+    reference, model = _model(), _model()
+    ref_opt = make_optimizer(list(reference.parameters()), lr=1e-2, weight_decay=0.1)
+    params = list(model.parameters())
+    flat = FlatGrads(params, extras=2)
+    opt = make_optimizer(params, lr=1e-2, weight_decay=0.1)
+    history = torch.zeros(6, 3)
+    update = make_update(flat, opt, history, max_norm=0.5, first_step=2)
+    for step in range(2):
+        ref_opt.zero_grad()
+        _loss(reference, x).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        flat.zero_()
+        _loss(model, x).backward()
+        flat.extras.copy_(torch.tensor([step, 10.0 + step]))
+        update()
+        assert history[2 + step].tolist() == pytest.approx([step, 10.0 + step, ref_norm.item()], rel=1e-5)
+    for p, q in zip(reference.parameters(), params):
+        assert torch.allclose(p, q, atol=1e-6)
+    assert torch.equal(history[:2], torch.zeros(2, 3)) and torch.equal(history[4:], torch.zeros(2, 3))
+
+
+def test_a_captured_update_keeps_its_learning_rate_a_tensor():
+    from examples.dflash_trainer.step import make_update
+
+    params = list(_model().parameters())
+    flat = FlatGrads(params, extras=0)
+    opt = make_optimizer(params, lr=1e-2, weight_decay=0.0)
+    opt.param_groups[0]["capturable"] = True  # as a checkpoint of an uncaptured run restores it: a float lr
+    update = make_update(flat, opt, torch.zeros(3, 1), max_norm=1.0, first_step=0)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-2)
+    opt.param_groups[0]["lr"] = 5e-3  # what an old scheduler does to a tensor lr
+    with pytest.raises(RuntimeError, match="would ignore the schedule"):
+        update()

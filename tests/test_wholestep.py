@@ -85,3 +85,17 @@ def test_replay_rejects_a_new_shape():
 def test_explain_names_known_causes():
     assert "capturable=True" in _wholestep._explain(RuntimeError("optimizer is not capturable"))
     assert _wholestep._explain(ValueError("other")) == "ValueError: other"
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach_copy", "per_tensor"])
+def test_input_copies_land_in_every_static_buffer(monkeypatch, foreach):
+    from threadgraph import _compat
+
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    statics = (torch.zeros(3), torch.zeros(2, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool))
+    sources = (torch.arange(3.0), torch.arange(4).reshape(2, 2), torch.tensor([True, False, True, True]))
+    _compat.copy_all_(statics, sources)
+    for static, source in zip(statics, sources):
+        assert torch.equal(static, source)
+    _compat.copy_all_((), ())  # a step without inputs

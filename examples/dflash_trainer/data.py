@@ -219,7 +219,7 @@ class SampleStream:
         self.consumers = num_shards * world_size
         self.consumer = rank * num_shards + shard
         self._next = self.consumer  # global index of this consumer's next sample
-        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self._perm_epoch, self._perm = -1, []
 
     @property
     def epoch(self) -> int:
@@ -235,7 +235,7 @@ class SampleStream:
         rows = []
         for _ in range(self.batch_size):
             epoch, position = divmod(self._next, len(self.data))
-            rows.append(int(self._permutation(epoch)[position]))
+            rows.append(self._permutation(epoch)[position])
             self._next += self.consumers
         index = torch.tensor(rows)
         return self.data.ids[index].long(), self.data.loss_mask[index].long()
@@ -244,10 +244,11 @@ class SampleStream:
         while True:
             yield self.next_batch()
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> list[int]:
+        # A list: indexing it is plain Python, not a tensor op (each op is a GIL hand-off in threads).
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-            self._perm_epoch, self._perm = epoch, torch.randperm(len(self.data), generator=g)
+            self._perm_epoch, self._perm = epoch, torch.randperm(len(self.data), generator=g).tolist()
         return self._perm
 
     def state_dict(self) -> dict[str, int]:

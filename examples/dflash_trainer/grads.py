@@ -49,7 +49,12 @@ class FlatGrads:
         return norm
 
 
-def make_optimizer(params: list[torch.Tensor], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; fused on CUDA (one kernel launch for all parameters instead of a dozen foreach ops)."""
+def make_optimizer(params: list[torch.Tensor], *, lr: float, weight_decay: float,
+                   capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW; fused on CUDA (one kernel launch for all parameters instead of a dozen foreach ops).
+    ``capturable``: for a step captured in a CUDA graph, with the learning rate a device tensor
+    that the schedule fills (a float would be frozen into the graph)."""
+    if capturable:
+        lr = torch.tensor(lr, dtype=torch.float32, device=params[0].device)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             fused=params[0].is_cuda)
+                             fused=params[0].is_cuda, capturable=capturable)

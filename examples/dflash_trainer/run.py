@@ -20,7 +20,7 @@ from .eval import acceptance_length, repeat_last_token
 from .metrics import MetricsLogger
 from .placement import Placement
 from .routing import GradientAverager, OrderedInbox
-from .step import METRIC_NAMES, capture_graph, compile_fn
+from .step import METRIC_NAMES, capture_graph, captures, compile_fn
 from .target import TargetModel
 
 log = logging.getLogger("dflash")
@@ -83,6 +83,10 @@ class Run:
     # -- used by the workers --------------------------------------------------------------------
     def compile(self, fn: Callable) -> Callable:
         return compile_fn(fn, compiled=self.compiled, cuda_graphs=self.config.cuda_graphs)
+
+    @property
+    def captures(self) -> bool:
+        return captures(compiled=self.compiled, cuda_graphs=self.config.cuda_graphs)
 
     def graph(self, fn: Callable) -> Callable:
         return capture_graph(fn, compiled=self.compiled, cuda_graphs=self.config.cuda_graphs)

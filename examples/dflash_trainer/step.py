@@ -15,6 +15,7 @@ import torch
 import threadgraph
 
 from .loss import block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
+from .grads import FlatGrads
 from .model import DFlashDrafter
 
 StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -51,23 +52,52 @@ def compile_fn(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
     return torch.compile(fn, mode="reduce-overhead")
 
 
+def captures(*, compiled: bool, cuda_graphs: str) -> bool:
+    """Whether steps are captured whole (threadgraph.capture_step), optimizer included."""
+    return compiled and cuda_graphs == "whole-step"
+
+
 def capture_graph(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
     """With whole-step graphs, ``fn`` replayed as one CUDA graph per worker; else ``fn``."""
-    if compiled and cuda_graphs == "whole-step":
+    if captures(compiled=compiled, cuda_graphs=cuda_graphs):
         return threadgraph.capture_step(fn)
     return fn
 
 
-def make_forward_backward(step_fn: StepFn) -> Callable[..., torch.Tensor]:
-    """The step's loss.backward(); returns the metrics. The gradients land in the parameters'
-    existing ``.grad`` tensors (grads.FlatGrads), also at every replay of a captured graph."""
+def make_forward_backward(step_fn: StepFn, grads: FlatGrads) -> Callable[..., None]:
+    """Zero the gradients, run the step's loss.backward() into them (grads.FlatGrads) and put the
+    metrics in ``grads.extras``; captured whole with whole-step graphs, zeroing included."""
 
-    def forward_backward(ids, loss_mask, features, anchors, keep):
+    def forward_backward(ids, loss_mask, features, anchors, keep) -> None:
+        grads.zero_()
         loss, metrics = step_fn(ids, loss_mask, features, anchors, keep)
         loss.backward()
-        return metrics
+        grads.extras.copy_(metrics)
 
     return forward_backward
+
+
+def make_update(grads: FlatGrads, optimizer: torch.optim.Optimizer, history: torch.Tensor, *,
+                max_norm: float, first_step: int) -> Callable[[], None]:
+    """After averaging: clip, AdamW, and the row [metrics..., grad_norm] into ``history[step]``.
+    Device work only (the row index is a device counter), so whole-step graphs capture it too;
+    the learning-rate schedule reaches the graph through the optimizer's lr tensor."""
+    index = torch.full((1,), first_step, dtype=torch.long, device=history.device)
+    capturable = [g for g in optimizer.param_groups if g.get("capturable")]
+    for group in capturable:  # a checkpoint written by an uncaptured run restores a float lr
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=history.device)
+
+    def update() -> None:
+        if any(not isinstance(g["lr"], torch.Tensor) for g in capturable):
+            raise RuntimeError("the learning-rate scheduler replaced the optimizer's lr tensor by a float, so a captured "
+                               "step would ignore the schedule; this torch needs --cuda-graphs trees")
+        norm = grads.clip_(max_norm)
+        optimizer.step()
+        history.index_copy_(0, index, torch.cat([grads.extras, norm.reshape(1)]).unsqueeze(0))
+        index.add_(1)
+
+    return update
 
 
 METRIC_NAMES = ("loss", "weight_sum", "acc", "acc_k1")

@@ -14,7 +14,7 @@ from .loss import sample_anchors
 from .metrics import PhaseTimes
 from .model import DFlashDrafter
 from .run import Run
-from .step import METRIC_NAMES, make_forward_backward, make_step_fn
+from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
 
 log = logging.getLogger("dflash")
 
@@ -89,22 +89,24 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self.drafter = drafter.to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.grads = FlatGrads(self.params, extras=len(METRIC_NAMES))
-        self.optimizer = make_optimizer(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=run.captures)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, run.lr_lambda)
         run.restore(self.drafter, self.optimizer, self.scheduler)
         step_fn = run.compile(
             make_step_fn(self.drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                          mask_token_id=run.mask_token_id, autocast_dtype=run.autocast_dtype)
         )
-        self.forward_backward = run.graph(make_forward_backward(step_fn))
+        self.forward_backward = run.graph(make_forward_backward(step_fn, self.grads))
         # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the leader now and then.
         self.history = torch.zeros(run.total_steps, 5, device=self.device)
+        self.update = run.graph(make_update(self.grads, self.optimizer, self.history, max_norm=cfg.grad_clip,
+                                            first_step=run.start_step))
         self.step_index = run.start_step
         if self.index == 0:
             run.leader_setup(self)
 
     def step(self) -> None:
-        run, cfg = self.run_ctx, self.run_ctx.config
+        run = self.run_ctx
         s = self.step_index
         if s >= run.total_steps:
             self.stop()
@@ -112,16 +114,12 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self.phases.begin()
         batch = run.inboxes[self.index].get(self.device)
         self.phases.mark("wait_batch")
-        self.grads.zero_()
-        metrics = self.forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
-        self.grads.extras.copy_(metrics)
+        self.forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
         self.phases.mark("forward_backward")
         run.averager.average(self.index, self.grads)
         self.phases.mark("average")
-        grad_norm = self.grads.clip_(cfg.grad_clip)
-        self.optimizer.step()
+        self.update()
         self.scheduler.step()
-        self.history[s] = torch.cat([self.grads.extras, grad_norm.reshape(1)])
         self.phases.mark("optimizer")
         self.step_index = s + 1
         if self.index == 0:

@@ -154,6 +154,17 @@ def unstash(key: str) -> bool:
     return False
 
 
+def copy_all_(destinations: tuple, sources: tuple) -> None:
+    """``d.copy_(s, non_blocking=True)`` for each pair, as one op where torch has ``_foreach_copy_``:
+    every op releases and retakes the GIL, which costs a hand-off when other threads are busy."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None and destinations:
+        foreach_copy(list(destinations), list(sources), non_blocking=True)
+        return
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source, non_blocking=True)
+
+
 def hazards() -> dict[str, bool]:
     """Which of the documented hazards this torch has, by feature detection."""
     return {

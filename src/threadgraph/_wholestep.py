@@ -3,7 +3,7 @@ gradient zeroing) captured as ONE CUDA graph and replayed.
 
 CUDAGraph Trees replays per compiled region and keeps Python bookkeeping per call, under the
 GIL; a replayed whole step costs one ``cudaGraphLaunch`` (the binding releases the GIL) plus
-the input copies. Warmup and capture run on the step's own stream; the capture records into its
+one op for the input copies. Warmup and capture run on the step's own stream; the capture records into its
 own private memory pool while holding the device gate exclusively, so no other worker's CUDA
 work overlaps it (hazard 2). Warmup is ordinary device work and holds only the caller's shared
 slot, so a long first compile does not stop the other workers on the device. Backward inside the capture runs on autograd's device thread; the capture is
@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._compat import copy_all_
 from ._errors import ThreadgraphError, ThreadgraphWarning
 from ._gate import gate_for
 
@@ -140,7 +141,7 @@ class StepGraph:
                     f"threadgraph: a captured step has fixed input shapes; got {tuple(new.shape)} {new.dtype}, "
                     f"captured {tuple(static.shape)} {static.dtype}. Pad inputs to one shape, or build one step graph per shape"
                 )
-            static.copy_(new, non_blocking=True)
+        copy_all_(self._static_inputs, inputs)
         self.graph.replay()
         return self._static_output
 
