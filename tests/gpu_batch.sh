@@ -136,7 +136,7 @@ case "$phase" in
       (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=150
        trainer whole-step "${whole[@]}"
        trainer resume-a "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0
-       rm -rf /tmp/dflash-resume-a/checkpoints/step_00000100
+       rm -rf /tmp/dflash-resume-a/checkpoints/step_00000100; echo step_00000050 > /tmp/dflash-resume-a/checkpoints/latest
        TRAIN_DIR=/tmp/dflash-resume-a trainer resume-b "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0 --resume
        DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
       wait "$lane0" "$lane1"
