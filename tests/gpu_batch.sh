@@ -18,12 +18,13 @@
 #            Trees; the DFlash bench for both; the trainer with whole-step graphs, eval and checkpoints
 #   final    whole-step tests, the GIL profile and both DFlash benches after the captured optimizer;
 #            the whole-step trainer in full, resumed from a checkpoint, and on both GPUs
+#   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, resume, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -50,6 +51,14 @@ trainer() {  # trainer TAG [trainer flags]
   THREADGRAPH_GATE_TIMEOUT=${GATE_S:-150} timeout -s USR1 -k 20 "${TRAIN_S:-240}" python3 -X faulthandler -m examples.dflash_trainer "$@" --out-dir "${TRAIN_DIR:-/tmp/dflash-$tag}" --json \
     > "$OUT/dflash-$tag.json" 2> "$THREADGRAPH_GPU_LOG/dflash-$tag.err"
   echo "[dflash $tag] rc=$?"; tail -c 1500 "$OUT/dflash-$tag.json"; grep -v Warn "$THREADGRAPH_GPU_LOG/dflash-$tag.err" | tail -5
+}
+
+resume_pair() {  # resume_pair TAG [trainer flags]: 100 steps uninterrupted, then again from its step-50 checkpoint
+  local tag=$1; shift
+  local flags=(--max-steps 100 --checkpoint-every 50 --eval-every 0 "$@")
+  trainer "$tag-a" "${flags[@]}"
+  rm -rf "/tmp/dflash-$tag-a/checkpoints/step_00000100"; echo step_00000050 > "/tmp/dflash-$tag-a/checkpoints/latest"
+  TRAIN_DIR="/tmp/dflash-$tag-a" trainer "$tag-b" "${flags[@]}" --resume
 }
 
 dflash_bench() {  # dflash_bench TAG [bench flags]: results in the logs, under TAG/ (the device returns few files)
@@ -135,13 +144,17 @@ case "$phase" in
        DFLASH_BENCH_S=200 dflash_bench whole-1gpu "${whole[@]}") & lane0=$!
       (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=150
        trainer whole-step "${whole[@]}"
-       trainer resume-a "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0
-       rm -rf /tmp/dflash-resume-a/checkpoints/step_00000100; echo step_00000050 > /tmp/dflash-resume-a/checkpoints/latest
-       TRAIN_DIR=/tmp/dflash-resume-a trainer resume-b "${whole[@]}" --max-steps 100 --checkpoint-every 50 --eval-every 0 --resume
+       resume_pair resume "${whole[@]}"
        DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
       wait "$lane0" "$lane1"
       TRAIN_S=150 trainer whole-2gpus --cuda-graphs whole-step
     fi ;;
+  resume)  # GPU resume equivalence: whole-step run twice uninterrupted (GPU 0), Trees resumed (GPU 1)
+    (export CUDA_VISIBLE_DEVICES=0 TRAIN_S=150
+     trainer det-whole-a --devices cuda:0 --cuda-graphs whole-step --max-steps 100 --checkpoint-every 50 --eval-every 0
+     trainer det-whole-b --devices cuda:0 --cuda-graphs whole-step --max-steps 100 --checkpoint-every 50 --eval-every 0) & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=200; resume_pair trees --devices cuda:0) & lane1=$!
+    wait "$lane0" "$lane1" ;;
   bench)
     timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -40
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;
