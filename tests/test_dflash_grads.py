@@ -112,6 +112,11 @@ def test_a_captured_update_keeps_its_learning_rate_a_tensor():
     update = make_update(flat, opt, torch.zeros(3, 1), max_norm=1.0, first_step=0)
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-2)
+    restored = torch.tensor(3e-3)  # torch.load(map_location="cpu") of a captured run's checkpoint
+    opt.param_groups[0]["lr"] = restored
+    make_update(flat, opt, torch.zeros(3, 1), max_norm=1.0, first_step=0)
+    lr = opt.param_groups[0]["lr"]
+    assert lr is not restored and lr.item() == pytest.approx(3e-3)  # a fresh tensor on the history's device
     opt.param_groups[0]["lr"] = 5e-3  # what an old scheduler does to a tensor lr
     with pytest.raises(RuntimeError, match="would ignore the schedule"):
         update()

@@ -84,13 +84,15 @@ def make_update(grads: FlatGrads, optimizer: torch.optim.Optimizer, history: tor
     the learning-rate schedule reaches the graph through the optimizer's lr tensor."""
     index = torch.full((1,), first_step, dtype=torch.long, device=history.device)
     capturable = [g for g in optimizer.param_groups if g.get("capturable")]
-    for group in capturable:  # a checkpoint written by an uncaptured run restores a float lr
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=history.device)
+    for group in capturable:
+        # A restored checkpoint holds the lr as a float (uncaptured run) or a CPU tensor (torch.load
+        # to CPU): fused AdamW would copy a CPU lr to the device inside the graph, and a replay
+        # repeats that copy's captured value, so the schedule would stop at the capture's lr.
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=history.device)
 
     def update() -> None:
-        if any(not isinstance(g["lr"], torch.Tensor) for g in capturable):
-            raise RuntimeError("the learning-rate scheduler replaced the optimizer's lr tensor by a float, so a captured "
+        if any(not isinstance(g["lr"], torch.Tensor) or g["lr"].device != index.device for g in capturable):
+            raise RuntimeError("the learning-rate scheduler replaced the optimizer's lr tensor on the device, so a captured "
                                "step would ignore the schedule; this torch needs --cuda-graphs trees")
         norm = grads.clip_(max_norm)
         optimizer.step()
