@@ -24,7 +24,7 @@
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, resume, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -155,6 +155,8 @@ case "$phase" in
      trainer det-whole-b --devices cuda:0 --cuda-graphs whole-step --max-steps 100 --checkpoint-every 50 --eval-every 0) & lane0=$!
     (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=200; resume_pair trees --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1" ;;
+  resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
+    TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)
     timeout "${BENCH_S:-400}" python3 benchmarks/replay_step_time.py --tasks train --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -40
     timeout "${DFLASH_BENCH_S:-150}" python3 benchmarks/dflash_throughput.py --out-dir "$OUT" 2>&1 | tail -15 ;;
