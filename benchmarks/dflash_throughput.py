@@ -65,12 +65,12 @@ def run_threaded(cfg) -> dict:
 
 def run_sequential(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.data import SampleStream, read_jsonl
-    from examples.dflash_trainer.loss import sample_anchors
     from examples.dflash_trainer.model import DFlashDrafter
     from examples.dflash_trainer.placement import available_devices
     from examples.dflash_trainer.grads import FlatGrads, make_optimizer
     from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, captures, compile_fn,
-                                              make_forward_backward, make_step_fn, make_update)
+                                              make_forward_backward, make_step_fn, make_target_step,
+                                              make_update)
     from examples.dflash_trainer.target import TargetModel
     from examples.dflash_trainer.train import resolve_inputs
 
@@ -104,7 +104,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
                                mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
         history = torch.zeros(rounds, len(METRIC_NAMES) + 1, device=device)
-        replicas.append(dict(device=device, features=capture_graph(compile_fn(target.features, **how), **how),
+        replicas.append(dict(device=device, target_step=capture_graph(compile_fn(make_target_step(target.features, cfg.num_anchors), **how), **how),
                              forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how), grads), **how),
                              update=capture_graph(make_update(grads, opt, history, max_norm=cfg.grad_clip, first_step=0), **how),
                              history=history, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
@@ -128,16 +128,16 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
                 torch.cuda.set_device(device)
             ids, loss_mask = rep["stream"].next_batch()
             anchor_rng.manual_seed(anchor_seed(cfg.seed, b))
-            anchors, keep = sample_anchors(loss_mask, cfg.num_anchors, anchor_rng)
-            ids = ids.to(device, non_blocking=True)
+            scores = torch.rand(loss_mask.shape, generator=anchor_rng, dtype=torch.float32)
+            ids, loss_mask, scores = (t.to(device, non_blocking=True) for t in (ids, loss_mask, scores))
             if i == 0:
                 fwd_timer.start()
-            features = rep["features"](ids).clone()  # as the target worker does
+            features, anchors, keep = rep["target_step"](ids, loss_mask, scores)
+            features, anchors, keep = features.clone(), anchors.clone(), keep.clone()  # as the target worker does
             if i == 0:
                 fwd_timer.stop()
                 step_timer.start()
-            rep["forward_backward"](ids, loss_mask.to(device, non_blocking=True), features,
-                                    anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True))
+            rep["forward_backward"](ids, loss_mask, features, anchors, keep)
             rep["update"]()
             rep["sched"].step()
             if i == 0:

@@ -113,5 +113,5 @@ def test_gil_profile_quick(runs, tmp_path):
     assert 0 < data["gil_busy"] <= 1.05
     where = {(r["thread"], r["line"].split(" ", 1)[1]) for r in data["lines"]}
     assert any(t == "drafter" and "forward_backward" in line for t, line in where), where
-    assert any(t == "target" and "self.features(ids)" in line for t, line in where), where
+    assert any(t == "target" and "self.target_step(" in line for t, line in where), where
     assert _one(tmp_path, "cpu_torch*_gil-profile_gil.txt").stat().st_size > 0

@@ -210,3 +210,16 @@ def test_accuracy_counts_weighted_outputs_and_first_draft():
     acc, first = dflash_accuracy(logits, labels, w, block_size=3)
     assert acc.item() == pytest.approx(2 / 4)  # slots 1 and 5 right out of 1, 2, 4, 5
     assert first.item() == pytest.approx(1 / 2)  # k=1 slots: 1 right, 4 wrong
+
+
+def test_target_step_draws_the_anchors_sample_anchors_draws():
+    from examples.dflash_trainer.step import make_target_step
+
+    lm = torch.zeros(3, 40, dtype=torch.long)
+    lm[:, 5:] = 1
+    lm[1, 30:] = 0
+    expected = sample_anchors(lm, 8, torch.Generator().manual_seed(11))
+    scores = torch.rand(lm.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float32)
+    features, anchors, keep = make_target_step(lambda ids: ids * 2, 8)(torch.ones(3, 40), lm, scores)
+    assert torch.equal(anchors, expected[0]) and torch.equal(keep, expected[1])
+    assert torch.equal(features, torch.full((3, 40), 2.0))

@@ -18,12 +18,19 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     An anchor i needs loss_mask[i] and loss_mask[i+1], so its block has at least one token to
     learn. Returns anchors [B,N] long (padding slots hold 0) and keep [B,N] bool.
     """
+    scores = torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device, dtype=torch.float32)
+    return anchors_from_scores(loss_mask, num_anchors, scores)
+
+
+def anchors_from_scores(loss_mask: torch.Tensor, num_anchors: int,
+                        scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_anchors() given its uniform [0, 1) draws ``scores`` [B,S]: the draws can be made
+    on the host with a seeded generator and the rest run on the device, inside a graph."""
     lm = loss_mask.bool()
     b, s = lm.shape
     valid = torch.cat([lm[:, :-1] & lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
     # Random scores + top-k is a uniform sample without replacement; invalid slots score -1
     # (rand is in [0, 1)), so they are only picked once the valid ones run out.
-    scores = torch.rand(b, s, generator=generator, device=lm.device)
     scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
     k = min(num_anchors, s)
     top, idx = scores.topk(k, dim=1)

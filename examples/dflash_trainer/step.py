@@ -14,7 +14,7 @@ import torch
 
 import threadgraph
 
-from .loss import block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
+from .loss import anchors_from_scores, block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
 from .grads import FlatGrads
 from .model import DFlashDrafter
 
@@ -40,6 +40,17 @@ def make_step_fn(drafter: DFlashDrafter, *, block_size: int, gamma: float, mask_
         return loss, torch.stack([loss.detach(), weight_sum, acc, acc_first])
 
     return drafter_loss
+
+
+def make_target_step(features: Callable[[torch.Tensor], torch.Tensor], num_anchors: int) -> Callable:
+    """A target worker's device work for one batch: the target's features and the batch's
+    anchors, from the anchor draws ``scores`` made on the host (loss.sample_anchors' recipe)."""
+
+    def target_step(ids, loss_mask, scores):
+        anchors, keep = anchors_from_scores(loss_mask, num_anchors, scores)
+        return features(ids), anchors, keep
+
+    return target_step
 
 
 def compile_fn(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:

@@ -10,11 +10,10 @@ import torch
 import threadgraph
 
 from .grads import FlatGrads, make_optimizer
-from .loss import sample_anchors
 from .metrics import PhaseTimes
 from .model import DFlashDrafter
 from .run import Run
-from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
+from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_target_step, make_update
 
 log = logging.getLogger("dflash")
 
@@ -31,7 +30,7 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
     def setup(self) -> None:
         run = self.run_ctx
         self.target = run.load_target(self.device)  # WorkerGroup runs setups one at a time
-        self.features = run.graph(run.compile(self.target.features))
+        self.target_step = run.graph(run.compile(make_target_step(self.target.features, run.config.num_anchors)))
         self.stream = run.sample_stream(shard=self.index, num_shards=run.config.targets)
         # Skip what earlier steps consumed: our k-th batch is global batch k*T + index.
         first = run.start_step * run.config.drafters
@@ -50,18 +49,14 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
         ids, loss_mask = self.stream.next_batch()
         # Anchors depend on the batch index only, never on which thread consumes the batch.
         self.anchor_rng.manual_seed(run.anchor_seed(b))
-        anchors, keep = sample_anchors(loss_mask, cfg.num_anchors, self.anchor_rng)
-        ids = ids.to(self.device, non_blocking=True)
+        scores = torch.rand(loss_mask.shape, generator=self.anchor_rng, dtype=torch.float32)
+        ids, loss_mask, scores = (t.to(self.device, non_blocking=True) for t in (ids, loss_mask, scores))
         self.phases.mark("prepare")
-        features = self.features(ids)
+        features, anchors, keep = self.target_step(ids, loss_mask, scores)
         self.phases.mark("forward")
-        item = {
-            "ids": ids,
-            "loss_mask": loss_mask.to(self.device, non_blocking=True),
-            "features": features.clone(),  # graph outputs are overwritten by the next replay
-            "anchors": anchors.to(self.device, non_blocking=True),
-            "keep": keep.to(self.device, non_blocking=True),
-        }
+        # Graph outputs are overwritten by the next replay: the drafter gets copies.
+        item = {"ids": ids, "loss_mask": loss_mask, "features": features.clone(), "anchors": anchors.clone(),
+                "keep": keep.clone()}
         run.inboxes[b % cfg.drafters].put(b, item)
         self.phases.mark("hand_off")
         self.k += 1
