@@ -18,13 +18,14 @@
 #            Trees; the DFlash bench for both; the trainer with whole-step graphs, eval and checkpoints
 #   final    whole-step tests, the GIL profile and both DFlash benches after the captured optimizer;
 #            the whole-step trainer in full, resumed from a checkpoint, and on both GPUs
+#   last     the GIL profile and both DFlash benches, and the default (Trees) trainer in full
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -120,7 +121,7 @@ case "$phase" in
   trainer)
     trainer one-gpu --devices cuda:0
     trainer all-gpus ;;
-  profile|final)  # where the threaded pipeline's GIL time goes (issue 5); the whole-step trainer in full
+  profile|final|last)  # where the threaded pipeline's GIL time goes (issue 5); the whole-step trainer in full
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy*.whl && export PATH=/tmp/site/bin:$PATH
     gil_profile() {  # gil_profile TAG [bench flags]
       local tag=$1; shift
@@ -128,7 +129,15 @@ case "$phase" in
         | grep -E "GIL busy|^\| (drafter|target) |GIL share|rror" | sed "s/^/[$tag] /"
     }
     whole=(--devices cuda:0 --cuda-graphs whole-step)
-    if [ "$phase" = profile ]; then
+    if [ "$phase" = last ]; then  # after the target step moved anchors onto the device
+      (export CUDA_VISIBLE_DEVICES=0
+       PROFILE_S=170 gil_profile gil-whole "${whole[@]}" --steps 3000 --start-step 150
+       DFLASH_BENCH_S=200 dflash_bench whole-1gpu "${whole[@]}") & lane0=$!
+      (export CUDA_VISIBLE_DEVICES=1
+       TRAIN_S=190 trainer trees-default --devices cuda:0
+       DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
+      wait "$lane0" "$lane1"
+    elif [ "$phase" = profile ]; then
       (export CUDA_VISIBLE_DEVICES=0
        gil_profile gil-whole "${whole[@]}" --steps 2500 --start-step 150
        dflash_bench whole-1gpu "${whole[@]}") & lane0=$!
