@@ -278,3 +278,27 @@ def test_cuda_source_memory_not_reused_while_consumer_reads_it():
         y.fill_(-1.0)
     torch.cuda.synchronize()
     assert bool((z == 3.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_handoff_on_one_stream_hands_the_item_over_as_is():
+    ch = Channel(2)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    n = 1 << 20
+    with torch.cuda.stream(stream):
+        x = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(1_000_000_000)  # the producer's write runs late
+        x.fill_(5.0)
+        item = {"x": x}
+        ch.put(item)
+        out = ch.get(timeout=5, device="cuda")
+        assert out is item and not stream.query()  # no copy, no host sync
+        total = out["x"].sum()  # queued behind the write on the same stream
+        mixed = {"x": x, "on_host": torch.ones(3)}
+        ch.put(mixed)
+        moved = ch.get(timeout=5, device="cuda")
+        assert moved is not mixed and moved["on_host"].is_cuda  # the consumer asked for everything on the GPU
+    assert total.item() == 5.0 * n

@@ -9,6 +9,12 @@ finished values although no one called ``synchronize``. The source tensors are
 ``record_stream``-ed on the consumer's stream, so the caching allocator does not
 hand their memory to the producer again before the consumer's copy has run.
 
+When the consumer's current stream of the item's device is the producer's (the same device
+and both on its default stream, as in the trainer), ``get`` hands the item over as it is: stream
+order already runs the consumer's reads after the producer's writes, and the caching allocator
+reuses the memory in that same order. No wait, no ``record_stream``: in a threaded pipeline each
+of those ops is a GIL hand-off.
+
 Ownership: after ``put`` the producer must not write to the item's tensors again
 (the consumer may still be reading them asynchronously); allocate new ones. On the
 source device itself ``get`` hands over the very same tensors (no copy).
@@ -44,12 +50,14 @@ class ChannelFailed(ChannelClosed):
 
 
 class _Envelope:
-    __slots__ = ("item", "event", "device")
+    __slots__ = ("item", "event", "stream", "device", "has_cpu_tensors")
 
-    def __init__(self, item: Any, event: "torch.cuda.Event | None",
-                 device: torch.device | None):
+    def __init__(self, item: Any, event: "torch.cuda.Event | None", stream: "torch.cuda.Stream | None",
+                 device: torch.device | None, has_cpu_tensors: bool = False):
         self.item = item
+        self.has_cpu_tensors = has_cpu_tensors
         self.event = event
+        self.stream = stream  # the producer's stream, on which the event was recorded
         self.device = device  # the CUDA device of the item's tensors, None if on CPU
 
 
@@ -63,14 +71,16 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def _cuda_device(item: Any) -> torch.device | None:
+def _devices(item: Any) -> tuple[torch.device | None, bool]:
+    """(the CUDA device of the item's tensors or None, whether it also holds CPU tensors)."""
     devices: set[torch.device] = set()
-    _map_tensors(item, lambda t: devices.add(t.device) if t.is_cuda else None)
-    if len(devices) > 1:
+    _map_tensors(item, lambda t: devices.add(t.device))
+    cuda = {d for d in devices if d.type == "cuda"}
+    if len(cuda) > 1:
         raise ValueError(
-            f"Channel.put: one item holds CUDA tensors on {sorted(map(str, devices))}; the "
+            f"Channel.put: one item holds CUDA tensors on {sorted(map(str, cuda))}; the "
             "hand-off records one event on one device, so put one item per device")
-    return next(iter(devices), None)
+    return next(iter(cuda), None), len(devices) > len(cuda)
 
 
 class Channel:
@@ -136,12 +146,12 @@ class Channel:
 
         CUDA tensors get an event recorded now on the current stream of their
         device, so call this after the work that produced them was enqueued."""
-        device = _cuda_device(item)
-        event = None
+        device, has_cpu_tensors = _devices(item)
+        event = stream = None
         if device is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-        envelope = _Envelope(item, event, device)
+            event, stream = torch.cuda.Event(), torch.cuda.current_stream(device)
+            event.record(stream)
+        envelope = _Envelope(item, event, stream, device, has_cpu_tensors)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._not_full:
             self.waiting_putters += 1
@@ -208,7 +218,12 @@ def _receive(envelope: _Envelope, device: torch.device | None) -> Any:
     # The copy (or the consumer's direct use when device is None) runs on this thread's
     # current stream of the source device: a cross-device copy_ is enqueued there, and
     # it orders itself with the destination's current stream.
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     src_stream = torch.cuda.current_stream(src)
+    same_place = device is None or (device == src and not envelope.has_cpu_tensors)
+    if same_place and src_stream == envelope.stream:
+        return envelope.item  # one stream: its order is the synchronisation (module docstring)
     src_stream.wait_event(envelope.event)
     if device is not None and device.type == "cuda":
         torch.cuda.current_stream(device).wait_event(envelope.event)
