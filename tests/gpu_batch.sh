@@ -19,13 +19,14 @@
 #   final    whole-step tests, the GIL profile and both DFlash benches after the captured optimizer;
 #            the whole-step trainer in full, resumed from a checkpoint, and on both GPUs
 #   last     the GIL profile and both DFlash benches, and the default (Trees) trainer in full
+#   channel  the channel's GPU tests, then both DFlash benches on one GPU each
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -163,6 +164,12 @@ case "$phase" in
      trainer det-whole-a --devices cuda:0 --cuda-graphs whole-step --max-steps 100 --checkpoint-every 50 --eval-every 0
      trainer det-whole-b --devices cuda:0 --cuda-graphs whole-step --max-steps 100 --checkpoint-every 50 --eval-every 0) & lane0=$!
     (export CUDA_VISIBLE_DEVICES=1 TRAIN_S=200; resume_pair trees --devices cuda:0) & lane1=$!
+    wait "$lane0" "$lane1" ;;
+  channel)  # the channel's GPU tests (both GPUs), then both DFlash benches, one GPU each
+    timeout 120 python3 -m pytest -m gpu tests/test_dflash_channel.py -v -p no:cacheprovider 2>&1 \
+      | tee "$THREADGRAPH_GPU_LOG/pytest-channel.txt" | grep -E "PASSED|FAILED|SKIPPED|Error" | sed "s/^/[channel] /"
+    (export CUDA_VISIBLE_DEVICES=0; DFLASH_BENCH_S=200 dflash_bench whole-1gpu --devices cuda:0 --cuda-graphs whole-step) & lane0=$!
+    (export CUDA_VISIBLE_DEVICES=1; DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1" ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
