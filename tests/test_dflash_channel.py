@@ -301,4 +301,5 @@ def test_cuda_handoff_on_one_stream_hands_the_item_over_as_is():
         ch.put(mixed)
         moved = ch.get(timeout=5, device="cuda")
         assert moved is not mixed and moved["on_host"].is_cuda  # the consumer asked for everything on the GPU
-    assert total.item() == 5.0 * n
+        value = total.item()  # on this stream: .item() waits for this stream's work only
+    assert value == 5.0 * n
