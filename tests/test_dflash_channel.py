@@ -224,8 +224,8 @@ def test_cuda_handoff_waits_on_event_without_host_sync():
         out = ch.get(timeout=5, device="cuda")
         # get() returned while the producer's work is still running: no host sync.
         assert not producer_stream.query()
-        total = out["x"].sum()
-    assert total.item() == 7.0 * (1 << 20)
+        value = out["x"].sum().item()  # .item() waits for the current (consumer) stream only
+    assert value == 7.0 * (1 << 20)
 
 
 @pytest.mark.gpu
@@ -249,8 +249,8 @@ def test_cuda_handoff_across_devices():
             out = ch.get(timeout=5, device=dst)
             assert not producer_stream.query()
             assert out["x"].device == dst
-            total = out["x"].sum()
-    assert total.item() == 3.0 * (1 << 20)
+            value = out["x"].sum().item()
+    assert value == 3.0 * (1 << 20)
 
 
 @pytest.mark.gpu
