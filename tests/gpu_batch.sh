@@ -20,13 +20,14 @@
 #            the whole-step trainer in full, resumed from a checkpoint, and on both GPUs
 #   last     the GIL profile and both DFlash benches, and the default (Trees) trainer in full
 #   channel  the channel's GPU tests, then both DFlash benches on one GPU each
+#   replay   benchmarks/replay_step_time.py, one model and some modes per call (REPLAY_* variables)
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -171,6 +172,14 @@ case "$phase" in
     (export CUDA_VISIBLE_DEVICES=0; DFLASH_BENCH_S=200 dflash_bench whole-1gpu --devices cuda:0 --cuda-graphs whole-step) & lane0=$!
     (export CUDA_VISIBLE_DEVICES=1; DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1" ;;
+  replay)  # issue 5's replay_step_time on this machine's GPUs: REPLAY_MODEL (small | dflash), REPLAY_MODES,
+           # REPLAY_TASKS; rows merge (--append) into today's file, seeded with benchmarks/results/$REPLAY_SEED
+           # (a file of the same day from an earlier call), so a set too long for one call spans two
+    dir="$THREADGRAPH_GPU_LOG/replay"; mkdir -p "$dir"
+    if [ -n "${REPLAY_SEED:-}" ]; then cp "benchmarks/results/$REPLAY_SEED" "$dir/"; fi
+    timeout "${BENCH_S:-540}" python3 benchmarks/replay_step_time.py --model "${REPLAY_MODEL:-small}" \
+      --modes "${REPLAY_MODES:-eager,compile,reduce-overhead,whole-step}" --tasks "${REPLAY_TASKS:-train,infer}" \
+      --steps "${REPLAY_STEPS:-100}" --append --out-dir "$dir" 2>&1 | grep -E "^\||rror|ratio" ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)
