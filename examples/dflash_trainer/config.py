@@ -47,8 +47,9 @@ class TrainConfig:
     seed: int = 0
     compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU
     # With reduce-overhead: "trees" = CUDAGraph Trees per compiled region; "whole-step" = the
-    # target forward and the drafter's forward + backward each captured as one CUDA graph per
-    # worker (threadgraph.capture_step; Inductor kernels inside), averaging and AdamW eager.
+    # target step, the drafter's forward + backward and its clip + AdamW update each captured as
+    # one CUDA graph per worker (threadgraph.capture_step; Inductor kernels inside); only the
+    # gradient averaging between them stays eager. About 3x faster on an H200.
     cuda_graphs: str = "trees"
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     channel_capacity: int = 4
