@@ -2,7 +2,8 @@
 
 Public API (everything else is private and may change):
 
-- ``ensure_cudagraph_tls()``: give the calling thread its CUDAGraph Trees state.
+- ``ensure_cudagraph_tls()`` / ``release_cudagraph_tls()``: give the calling thread its CUDAGraph
+  Trees state; drop it before the thread ends.
 - ``install()`` / ``uninstall()`` / ``installed()``: the global shim for plain threads.
 - ``patches()``: which patches exist, what they fix, which are active.
 - ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups.
@@ -14,7 +15,7 @@ from ._errors import GateTimeout, ThreadgraphError, ThreadgraphWarning, Unsuppor
 from ._gate import released
 from ._patches import install, installed, patches, uninstall
 from ._stats import StepStats
-from ._tls import ensure_cudagraph_tls
+from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
 from ._wholestep import CaptureError, StepGraph, capture_step
 from ._worker import CompiledWorkerThread, WorkerGroup
 
@@ -36,6 +37,7 @@ __all__ = [
     "install",
     "installed",
     "patches",
+    "release_cudagraph_tls",
     "released",
     "uninstall",
 ]

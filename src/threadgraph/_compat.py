@@ -154,6 +154,12 @@ def unstash(key: str) -> bool:
     return False
 
 
+def thread_exit_during_finalization_aborts() -> bool:
+    """Python < 3.14 ends a thread that wants the GIL during finalisation with pthread_exit,
+    whose unwinding through a noexcept C++ destructor aborts the process (3.14 hangs it instead)."""
+    return sys.version_info < (3, 14)
+
+
 def copy_all_(destinations: tuple, sources: tuple) -> None:
     """``d.copy_(s, non_blocking=True)`` for each pair, as one op where torch has ``_foreach_copy_``:
     every op releases and retakes the GIL, which costs a hand-off when other threads are busy."""
@@ -178,4 +184,6 @@ def hazards() -> dict[str, bool]:
         "global_rng_rewind (each compile restores the global RNG state it saw at its start)": True,
         "global_compile_lock (Dynamo compiles one frame at a time, process-wide)": True,
         "global_default_dtype (a model load elsewhere changes the dtype a step creates and guards on)": True,
+        "stash_released_at_thread_exit (a joined thread's C++ TLS destructor takes the GIL; during "
+        "interpreter exit Python ends it inside a noexcept destructor: std::terminate)": thread_exit_during_finalization_aborts(),
     }

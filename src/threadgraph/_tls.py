@@ -8,7 +8,11 @@ up, recorded and replayed. A plain ``threading.local`` does not travel there.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import sys
 import threading
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -18,6 +22,7 @@ from . import _compat
 
 TREE_TLS_KEYS = ("tree_manager_containers", "tree_manager_locks")
 WORKER_KEY = "threadgraph.worker"
+log = logging.getLogger("threadgraph")
 
 
 def ensure_cudagraph_tls() -> bool:
@@ -86,10 +91,36 @@ def bind_worker(state: WorkerState) -> None:
     _compat.stash(WORKER_KEY, state)
 
 
-def unbind_worker() -> None:
-    """Forget the calling thread's worker where torch can remove stash entries."""
-    _compat.unstash(WORKER_KEY)
+def release_cudagraph_tls() -> None:
+    """Drop the calling thread's stash entries (tree state and worker) where torch can (2.13+).
+
+    Call it last in a thread that called :func:`ensure_cudagraph_tls`. Entries left in the stash
+    are released by the thread's C++ thread-local destructor after Python's ``join()`` returns;
+    that takes the GIL, and while the interpreter finalises, Python (< 3.14) ends such a thread
+    with ``pthread_exit`` inside a noexcept destructor: the process aborts with "terminate
+    called without an active exception" (hazard 14). :func:`wait_for_thread_exit` covers torch
+    releases that cannot remove entries.
+    """
+    for key in (WORKER_KEY, *TREE_TLS_KEYS):
+        _compat.unstash(key)
     _strong.state = None
+
+
+def wait_for_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> bool:
+    """After ``thread.join()``: wait until the OS thread is gone too, so its C++ thread-local
+    destructors (hazard 14) have run. Linux only (elsewhere returns at once); returns whether
+    the thread is known to be gone."""
+    native_id = getattr(thread, "native_id", None)
+    if native_id is None or not sys.platform.startswith("linux"):
+        return False
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            log.warning("threadgraph: thread %s (tid %d) still exists %.1f s after join", thread.name, native_id, timeout)
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def worker_for_current_thread() -> Optional[WorkerState]:

@@ -14,7 +14,7 @@ from ._errors import ThreadgraphError, WorkerError
 from ._gate import gate_for
 from ._patches import install
 from ._stats import StepStats, StepTimer
-from ._tls import WorkerState, bind_worker, ensure_cudagraph_tls, unbind_worker
+from ._tls import WorkerState, bind_worker, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
 
 log = logging.getLogger("threadgraph")
 
@@ -110,6 +110,8 @@ class CompiledWorkerThread(threading.Thread):
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker; re-raise its exception as WorkerError (the original as cause)."""
         super().join(timeout)
+        if not self.is_alive():
+            wait_for_thread_exit(self)
         if self._exception is not None and not self.is_alive():
             raise self._as_worker_error() from self._exception
 
@@ -148,7 +150,7 @@ class CompiledWorkerThread(threading.Thread):
         finally:
             self.stats.warmups = self.worker_state.warmups
             self.stats.captures = self.worker_state.captures
-            unbind_worker()
+            release_cudagraph_tls()
         if error is None:
             log.debug("threadgraph: worker %s on %s finished: %s", self.name, self.device, self.stats.summary())
             return
@@ -287,11 +289,13 @@ class WorkerGroup:
                     if left is not None and left <= 0:
                         raise TimeoutError(f"threadgraph: worker {worker.name} still running after {timeout} s")
                     threading.Thread.join(worker, 0.2 if left is None else min(0.2, left))
+                wait_for_thread_exit(worker)
         except KeyboardInterrupt:
             log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
             self._fail_all(KeyboardInterrupt())
             for worker in self.workers:
                 threading.Thread.join(worker)
+                wait_for_thread_exit(worker)
             raise
         failed = self._first_failure
         if failed is not None:
