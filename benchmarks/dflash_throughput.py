@@ -68,6 +68,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.model import DFlashDrafter
     from examples.dflash_trainer.placement import available_devices
     from examples.dflash_trainer.grads import FlatGrads, make_optimizer
+    from examples.dflash_trainer.loss import anchor_scores
     from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, captures, compile_fn,
                                               make_forward_backward, make_step_fn, make_target_step,
                                               make_update)
@@ -128,7 +129,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
                 torch.cuda.set_device(device)
             ids, loss_mask = rep["stream"].next_batch()
             anchor_rng.manual_seed(anchor_seed(cfg.seed, b))
-            scores = torch.rand(loss_mask.shape, generator=anchor_rng, dtype=torch.float32)
+            scores = anchor_scores(loss_mask, anchor_rng)
             ids, loss_mask, scores = (t.to(device, non_blocking=True) for t in (ids, loss_mask, scores))
             if i == 0:
                 fwd_timer.start()

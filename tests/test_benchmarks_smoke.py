@@ -26,11 +26,14 @@ def _dflash_skip_reason():
     return None
 
 
-def _start(script, out_dir):
+def _env():
     path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+
+
+def _start(script, out_dir):
     return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out-dir", str(out_dir)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +104,9 @@ def test_gil_profile_quick(runs, tmp_path):
         pytest.skip(skip)
     for proc, _ in procs.values():  # after the other two: two cores
         proc.wait(timeout=300)
-    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gil_profile.py"), "--quick", "--steps", "200", "--start-step", "30",
            "--seconds", "3", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     if proc.returncode != 0 and any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "py-spy not found")):
         pytest.skip(f"py-spy cannot sample here: {proc.stderr.strip().splitlines()[-1][:200]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -213,13 +213,14 @@ def test_accuracy_counts_weighted_outputs_and_first_draft():
 
 
 def test_target_step_draws_the_anchors_sample_anchors_draws():
+    from examples.dflash_trainer.loss import anchor_scores
     from examples.dflash_trainer.step import make_target_step
 
     lm = torch.zeros(3, 40, dtype=torch.long)
     lm[:, 5:] = 1
     lm[1, 30:] = 0
     expected = sample_anchors(lm, 8, torch.Generator().manual_seed(11))
-    scores = torch.rand(lm.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float32)
+    scores = anchor_scores(lm, torch.Generator().manual_seed(11))  # the target workers' draw
     features, anchors, keep = make_target_step(lambda ids: ids * 2, 8)(torch.ones(3, 40), lm, scores)
     assert torch.equal(anchors, expected[0]) and torch.equal(keep, expected[1])
     assert torch.equal(features, torch.full((3, 40), 2.0))

@@ -1,4 +1,8 @@
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,10 +263,8 @@ class _EndTogether(CompiledWorkerThread):
         self.barrier.wait()
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/task")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 def test_join_returns_after_the_os_threads_are_gone():
-    import os
-
     for _ in range(20):  # without the wait, about one round in four found a thread still there
         barrier = threading.Barrier(8)
         workers = [_EndTogether(barrier, name=f"w{i}") for i in range(8)]
@@ -296,10 +298,6 @@ def test_release_cudagraph_tls_empties_the_threads_stash():
 def test_the_process_exits_cleanly_right_after_join(tmp_path):
     # Before the fix, 32 workers ending together and an immediate exit aborted about one run in
     # three: "terminate called without an active exception" (rc 134).
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = tmp_path / "exit_after_join.py"
     script.write_text(
         "import threading, threadgraph, torch\n"
@@ -312,7 +310,7 @@ def test_the_process_exits_cleanly_right_after_join(tmp_path):
         "threadgraph.WorkerGroup([W('cpu', max_steps=2, name=f'w{i}') for i in range(32)]).start().join()\n"
     )
     src = str(Path(__file__).resolve().parent.parent / "src")
-    env = dict(__import__("os").environ, PYTHONPATH=src)
+    env = dict(os.environ, PYTHONPATH=src)
     for _ in range(3):
         procs = [subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for proc in procs:

@@ -18,8 +18,12 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     An anchor i needs loss_mask[i] and loss_mask[i+1], so its block has at least one token to
     learn. Returns anchors [B,N] long (padding slots hold 0) and keep [B,N] bool.
     """
-    scores = torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device, dtype=torch.float32)
-    return anchors_from_scores(loss_mask, num_anchors, scores)
+    return anchors_from_scores(loss_mask, num_anchors, anchor_scores(loss_mask, generator))
+
+
+def anchor_scores(loss_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The uniform [0, 1) draws behind sample_anchors(), one per position, on loss_mask's device."""
+    return torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device, dtype=torch.float32)
 
 
 def anchors_from_scores(loss_mask: torch.Tensor, num_anchors: int,

@@ -10,6 +10,7 @@ import torch
 import threadgraph
 
 from .grads import FlatGrads, make_optimizer
+from .loss import anchor_scores
 from .metrics import PhaseTimes
 from .model import DFlashDrafter
 from .run import Run
@@ -49,7 +50,7 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
         ids, loss_mask = self.stream.next_batch()
         # Anchors depend on the batch index only, never on which thread consumes the batch.
         self.anchor_rng.manual_seed(run.anchor_seed(b))
-        scores = torch.rand(loss_mask.shape, generator=self.anchor_rng, dtype=torch.float32)
+        scores = anchor_scores(loss_mask, self.anchor_rng)
         ids, loss_mask, scores = (t.to(self.device, non_blocking=True) for t in (ids, loss_mask, scores))
         self.phases.mark("prepare")
         features, anchors, keep = self.target_step(ids, loss_mask, scores)
@@ -93,7 +94,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         )
         self.forward_backward = run.graph(make_forward_backward(step_fn, self.grads))
         # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the leader now and then.
-        self.history = torch.zeros(run.total_steps, 5, device=self.device)
+        self.history = torch.zeros(run.total_steps, len(METRIC_NAMES) + 1, device=self.device)
         self.update = run.graph(make_update(self.grads, self.optimizer, self.history, max_norm=cfg.grad_clip,
                                             first_step=run.start_step))
         self.step_index = run.start_step

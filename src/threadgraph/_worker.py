@@ -110,9 +110,10 @@ class CompiledWorkerThread(threading.Thread):
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker; re-raise its exception as WorkerError (the original as cause)."""
         super().join(timeout)
-        if not self.is_alive():
-            wait_for_thread_exit(self)
-        if self._exception is not None and not self.is_alive():
+        if self.is_alive():
+            return
+        wait_for_thread_exit(self)
+        if self._exception is not None:
             raise self._as_worker_error() from self._exception
 
     def gate(self) -> contextlib.AbstractContextManager:
