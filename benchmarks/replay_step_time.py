@@ -371,12 +371,12 @@ def run_cell(args, mode: str, placement: str, task: str) -> dict:
 # -- the driver -----------------------------------------------------------------------------------
 
 
-def run_all(args) -> list[dict]:
+def run_all(args, rows: list[dict]) -> None:
+    """Measure every cell into ``rows`` as it finishes, so an interrupted run keeps what it measured."""
     import threadgraph
 
     gpu = common.on_gpu()
     modes = args.modes.split(",") if args.modes else list(MODES if gpu else CPU_MODES)
-    rows = []
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -395,7 +395,6 @@ def run_all(args) -> list[dict]:
                 print(f"[{mode} / {label} / {task}] " + (f"p50 {row['p50_ms']:.3f} ms" if row.get("p50_ms") else
                       f"error: {row.get('error')}"), file=sys.stderr, flush=True)
                 rows.append(row)
-    return rows
 
 
 def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, task: str) -> dict:
@@ -477,7 +476,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     return lines or ["- n/a: the targets are about CUDA graphs on GPUs; this run has none of the rows they need"]
 
 
-def report(args, env: dict, rows: list[dict]) -> str:
+def report(args, env: dict, rows: list[dict], interrupted: bool = False) -> str:
     form = "GPU" if env["gpu"] else "CPU reduced form (smaller model; says nothing about CUDA graphs)"
     model = {"small": f"{common.DEPTH} x [Linear {common.WIDTH}, GELU, LayerNorm], batch {common.BATCH}, bf16"
              if env["gpu"] else f"{common.CPU_DEPTH} x [Linear {common.CPU_WIDTH}, GELU, LayerNorm], batch {common.BATCH}, float32",
@@ -491,7 +490,9 @@ def report(args, env: dict, rows: list[dict]) -> str:
              f"wall time over {args.profile_steps} further steps under torch.profiler (main thread and 1 worker only)",
              *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]),
              *(["- merged (--append) with earlier runs of the same day: each row's own settings are in the JSON"]
-               if args.append else []), ""]
+               if args.append else []),
+             *(["- **interrupted**: only the cells listed were measured; the rest of the run never happened"]
+               if interrupted else []), ""]
     for task in present_tasks(rows):
         lines += [f"## {TASK_TITLES[task]}", "", common.markdown_table(COLUMNS, table_rows(rows, task)), ""]
     lines += ["## Targets", "", *target_lines(rows), ""]
@@ -555,23 +556,32 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)  # see CPU_THREADS_NOTE
         common.finish_cell(args.cell_out, run_cell(args, *args.cell))  # a row
     env = common.environment()
-    started = time.perf_counter()
-    rows = run_all(args)
+    started, rows = time.perf_counter(), []
+    try:
+        run_all(args, rows)
+    except (KeyboardInterrupt, SystemExit):  # a timeout or Ctrl-C: write the cells done so far, then stop
+        print(f"interrupted after {len(rows)} cells; writing those", file=sys.stderr, flush=True)
+        write_results(args, env, rows, started, interrupted=True)
+        raise
+    write_results(args, env, rows, started, interrupted=False)
+    return 0
+
+
+def write_results(args, env: dict, rows: list[dict], started: float, interrupted: bool) -> None:
     out = common.results_dir(args.out_dir)
     stem = common.results_stem(env, "" if args.model == "small" else "_dflash-step")
     if args.append:
         rows = merge_previous(out / f"{stem}.json", rows)
     add_ratios(rows)
-    text = report(args, env, rows)
+    text = report(args, env, rows, interrupted)
     print(text)
     common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
-                                             "seconds": round(time.perf_counter() - started, 1), "rows": rows})
+                                             "seconds": round(time.perf_counter() - started, 1),
+                                             "interrupted": interrupted, "rows": rows})
     (out / f"{stem}.md").write_text(text)
     common.bar_plot(out / f"{stem}.png", plot_groups(rows, present_tasks(rows)),
                     f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
     print(f"\nwrote {out / stem}.{{json,md,png}}", file=sys.stderr)
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

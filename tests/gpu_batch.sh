@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU proof runs, batched for a device lease: `bash tests/gpu_batch.sh PHASE` with $OUT set
 # (the device tool sets it). Each scenario runs in a fresh process; logs land in $OUT/logs-PHASE.tgz.
-#   core     threadgraph GPU tests (issues: core, many workers per GPU, whole-step) + doctor --selftest
+#   core     every GPU test (tests/ -m gpu: core, many workers per GPU, whole-step, channel) + doctor --selftest
 #   lanes    two GPUs, two independent lanes at once: GPU 0 the many-worker tests at $STEPS (1000),
 #            GPU 1 the self-test and the other one-GPU tests at 200 steps
 #   verify   what 2026-11-29 left unverified (see the case below); about 9 minutes on nvidia-h200-x2
@@ -44,7 +44,7 @@ selftest() {
 
 gpu_tests() {  # gpu_tests TAG STEPS SECONDS [-k EXPR]
   local tag=$1 steps=$2 seconds=$3; shift 3
-  THREADGRAPH_GPU_STEPS=$steps timeout "$seconds" python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider "$@" 2>&1 \
+  THREADGRAPH_GPU_STEPS=$steps timeout "$seconds" python3 -m pytest -m gpu tests/ -v -p no:cacheprovider "$@" 2>&1 \
     | tee "$THREADGRAPH_GPU_LOG/pytest-$tag.txt" | grep -E "PASSED|FAILED|SKIPPED|Error" | sed "s/^/[$tag] /"
 }
 
@@ -173,13 +173,14 @@ case "$phase" in
     (export CUDA_VISIBLE_DEVICES=1; DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1" ;;
   replay)  # issue 5's replay_step_time on this machine's GPUs: REPLAY_MODEL (small | dflash), REPLAY_MODES,
-           # REPLAY_TASKS; rows merge (--append) into today's file, seeded with benchmarks/results/$REPLAY_SEED
+           # REPLAY_PLACEMENTS, REPLAY_TASKS; rows merge (--append) into today's file, seeded with benchmarks/results/$REPLAY_SEED
            # (a file of the same day from an earlier call), so a set too long for one call spans two
     dir="$THREADGRAPH_GPU_LOG/replay"; mkdir -p "$dir"
     if [ -n "${REPLAY_SEED:-}" ]; then cp "benchmarks/results/$REPLAY_SEED" "$dir/"; fi
     timeout "${BENCH_S:-540}" python3 benchmarks/replay_step_time.py --model "${REPLAY_MODEL:-small}" \
       --modes "${REPLAY_MODES:-eager,compile,reduce-overhead,whole-step}" --tasks "${REPLAY_TASKS:-train,infer}" \
-      --steps "${REPLAY_STEPS:-100}" --append --out-dir "$dir" 2>&1 | grep -E "^\||rror|ratio" ;;
+      ${REPLAY_PLACEMENTS:+--placements "$REPLAY_PLACEMENTS"} \
+      --steps "${REPLAY_STEPS:-100}" --append --out-dir "$dir" 2>&1 | grep -E "^\||^\[|rror|ratio|interrupted" ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)

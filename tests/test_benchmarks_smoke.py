@@ -116,3 +116,26 @@ def test_gil_profile_quick(runs, tmp_path):
     assert any(t == "drafter" and "forward_backward" in line for t, line in where), where
     assert any(t == "target" and "self.target_step(" in line for t, line in where), where
     assert _one(tmp_path, "cpu_torch*_gil-profile_gil.txt").stat().st_size > 0
+
+
+def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkeypatch):
+    """A timeout (SIGTERM -> SystemExit) mid-run writes the cells already measured, marked interrupted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    replay = importlib.import_module("replay_step_time")
+    calls = []
+
+    def fake_cell(args, mode, key, label, workers, task):
+        if calls:
+            raise SystemExit(143)
+        calls.append(key)
+        return {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": workers,
+                "p50_ms": 1.0, "p90_ms": 2.0, "steps_per_s": 1000.0}
+
+    monkeypatch.setattr(replay, "run_cell_subprocess", fake_cell)
+    monkeypatch.setattr(replay.common, "on_gpu", lambda: False)
+    with pytest.raises(SystemExit):
+        replay.main(["--tasks", "train", "--modes", "eager", "--out-dir", str(tmp_path)])
+    data = json.loads(_one(tmp_path, "*.json").read_text())
+    assert data["interrupted"] is True
+    assert [(r["placement"], r["p50_ms"]) for r in data["rows"]] == [("main", 1.0)]
+    assert "interrupted" in _one(tmp_path, "*.md").read_text()
