@@ -20,77 +20,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import linecache
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import dflash_throughput  # noqa: E402
+import pyspy  # noqa: E402
 
 STEP_FRAME = re.compile(r"^(?:\w+\.)?step \((.*workers\.py):(\d+)\)$")
 REPO = Path(__file__).resolve().parent.parent
-
-
-def allow_ptrace() -> None:
-    """Let a non-ancestor (py-spy, our child) read this process under Yama ptrace_scope 1."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
-
-
-class Recorder:
-    """Two py-spy recordings of this process, started once (from the leader's progress callback)."""
-
-    def __init__(self, py_spy: str, out: Path, seconds: float, rate: int) -> None:
-        self.py_spy, self.out, self.seconds, self.rate = py_spy, out, seconds, rate
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.started = self.run_ended = None
-
-    def start(self) -> None:
-        if self.procs:
-            return
-        base = [self.py_spy, "record", "--pid", str(os.getpid()), "--rate", str(self.rate), "--duration",
-                str(int(self.seconds)), "--threads", "--nonblocking", "--format", "raw"]
-        for name, extra in (("gil", ["--gil"]), ("wall", ["--idle"])):
-            log = open(self.out / f"py-spy-{name}.log", "w")
-            self.procs[name] = subprocess.Popen(base + extra + ["--output", str(self.out / f"{name}.txt")],
-                                                stdout=log, stderr=subprocess.STDOUT)
-        self.started = time.perf_counter()
-
-    def finish(self) -> float:
-        """Wait for both recordings; a run that ended first cuts them short (SIGINT makes py-spy write).
-        Returns the seconds recorded."""
-        self.run_ended = time.perf_counter()
-        for proc in self.procs.values():
-            if proc.poll() is None and time.perf_counter() - self.started < self.seconds:
-                proc.send_signal(signal.SIGINT)
-        for name, proc in self.procs.items():
-            if proc.wait(timeout=60) != 0 or not (self.out / f"{name}.txt").exists():
-                raise RuntimeError(f"py-spy {name} recording failed (exit {proc.returncode}): "
-                                   f"{(self.out / f'py-spy-{name}.log').read_text()[-600:]}")
-        return min(self.seconds, self.run_ended - self.started)
-
-
-def read_samples(path: Path) -> list[tuple[str, list[str], int]]:
-    """(thread name, frames root first, count) per line of py-spy's raw (collapsed) output."""
-    samples = []
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[1] if ": " in frames[0] else frames[0]
-        samples.append((thread, frames[1:], int(count)))
-    return samples
 
 
 def thread_kind(name: str) -> str:
@@ -109,11 +53,7 @@ def step_line(frames: list[str]) -> str:
 
 
 def summarise(gil: list, wall: list) -> dict:
-    gil_total = sum(c for _, _, c in gil)
-    per_thread_wall = collections.Counter()
-    for thread, _, count in wall:
-        per_thread_wall[thread] += count
-    ticks = max(per_thread_wall.values()) if per_thread_wall else 0
+    busy, gil_total, ticks = pyspy.gil_busy(gil, wall)
     by_kind = collections.Counter()
     by_line = collections.Counter()
     by_leaf = collections.Counter()
@@ -130,7 +70,7 @@ def summarise(gil: list, wall: list) -> dict:
               "thread_wall_share": wall_line[(kind, line)] / max(1, wall_kind[kind])}
              for (kind, line), count in by_line.most_common(18)]
     return {
-        "gil_samples": gil_total, "ticks": ticks, "gil_busy": gil_total / ticks if ticks else None,
+        "gil_samples": gil_total, "ticks": ticks, "gil_busy": busy,
         "gil_share_by_thread": {k: v / gil_total for k, v in by_kind.most_common()},
         "lines": lines,
         "leaves": [{"frame": f, "gil_share": c / gil_total} for f, c in by_leaf.most_common(12)],
@@ -163,13 +103,13 @@ def main(argv=None) -> int:
     own, rest = parser.parse_known_args(argv)
     args = dflash_throughput.parse_args(rest)
     args.seconds, args.start_step, args.rate = own.seconds, own.start_step, own.rate
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(py_spy).exists():
+    py_spy = pyspy.find()
+    if py_spy is None:
         print("error: py-spy not found; pip install py-spy (in threadgraph's bench extra)", file=sys.stderr)
         return 2
     from examples.dflash_trainer.train import train
 
-    allow_ptrace()
+    pyspy.allow_ptrace()
     env = common.environment()
     if not env["gpu"]:
         import torch
@@ -182,13 +122,13 @@ def main(argv=None) -> int:
             default_assets()
         cfg = dflash_throughput.make_config(args, run_dir)
         out = common.results_dir(args.out_dir)
-        recorder = Recorder(py_spy, Path(run_dir), args.seconds, args.rate)
+        recorder = pyspy.Recorder(py_spy, Path(run_dir), args.seconds, args.rate)
         results = train(cfg, progress=lambda r: recorder.start() if r.get("step", 0) >= args.start_step else None)
         if not recorder.procs:
             print(f"error: the run ended before step {args.start_step}; raise --steps", file=sys.stderr)
             return 2
         seconds = recorder.finish()
-        summary = summarise(read_samples(Path(run_dir, "gil.txt")), read_samples(Path(run_dir, "wall.txt")))
+        summary = summarise(recorder.samples("gil"), recorder.samples("wall"))
         stem = common.results_stem(env, "_gil-profile")
         for name in ("gil", "wall"):
             shutil.copy(Path(run_dir, f"{name}.txt"), out / f"{stem}_{name}.txt")

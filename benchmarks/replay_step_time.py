@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+import pyspy  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -258,7 +259,9 @@ def run_main_thread(plan: Plan, device: str) -> list[dict]:
     return [timed_result(timer, busy)]
 
 
-def run_threads(plan: Plan, devices: list[str]) -> list[dict]:
+def run_threads(plan: Plan, devices: list[str], recorder: Optional[pyspy.Recorder] = None) -> list[dict]:
+    """``recorder``: after the timed (and GPU-busy) steps, every thread keeps stepping while py-spy
+    records the process for its --duration (the GIL profile), then stops."""
     import threadgraph
 
     barrier = threading.Barrier(len(devices))
@@ -285,17 +288,26 @@ def run_threads(plan: Plan, devices: list[str]) -> list[dict]:
                 self.timer.stop()
                 if i == w + n - 1:
                     self.timer.finish()
-            else:
+            elif i < w + n + p:
                 if i == w + n:
                     self.probe.start()
                 self.work()
                 if i == w + n + p - 1:
                     self.busy = self.probe.stop()
+            else:
+                if i == w + n + p:
+                    with threadgraph.released():
+                        barrier.wait(BARRIER_TIMEOUT_S)
+                    if self is workers[0]:
+                        recorder.start()
+                self.work()
+                if recorder.done():
+                    self.stop()
 
     workers = []
     for k, dev in enumerate(devices):
         worker = BenchWorker(dev, name=f"bench-{k}", warmup_steps=plan.warmup,
-                             max_steps=plan.warmup + plan.steps + plan.profile)
+                             max_steps=None if recorder else plan.warmup + plan.steps + plan.profile)
         worker.seed = k
         workers.append(worker)
     group = threadgraph.WorkerGroup(workers)
@@ -343,6 +355,13 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
+def gil_summary(gil: list, wall: list) -> dict:
+    busy, held, ticks = pyspy.gil_busy(gil, wall)
+    return {"gil_busy": busy, "gil_samples": held, "gil_ticks": ticks,
+            "gil_leaves": pyspy.top_shares(gil, lambda f: pyspy.short_frame(f[-1]) if f else "?", 6),
+            "gil_files": pyspy.top_shares(gil, lambda f: pyspy.frame_file(f[-1]) if f else "?", 6)}
+
+
 def run_cell(args, mode: str, placement: str, task: str) -> dict:
     """One (mode, placement, task) in this process; an exception becomes an error row."""
     key, label, devices = next(p for p in placements(args, every=True) if p[0] == placement)
@@ -355,6 +374,13 @@ def run_cell(args, mode: str, placement: str, task: str) -> dict:
             results = run_main_thread(plan, devices[0])
         elif key.startswith("procs"):
             results = run_processes(plan, devices)
+        elif args.gil_profile:
+            with tempfile.TemporaryDirectory() as tmp:
+                pyspy.allow_ptrace()
+                recorder = pyspy.Recorder(pyspy.find(), Path(tmp), args.gil_profile, rate=250)
+                results = run_threads(plan, devices, recorder)
+                recorder.finish()
+                row.update(gil_summary(recorder.samples("gil"), recorder.samples("wall")))
         else:
             results = run_threads(plan, devices)
         row.update(summarize(results), steps=args.steps, warmup=args.warmup)
@@ -418,12 +444,18 @@ def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, tas
 
 
 def merge_previous(path: Path, rows: list[dict]) -> list[dict]:
-    """--append: keep the rows of an earlier run (same file) that this run did not measure again."""
+    """--append / --merge-from: keep the rows of an earlier run that this run did not measure again
+    (each row says the date it was measured)."""
     if not path.exists():
         return rows
+    try:
+        previous = json.loads(path.read_text())
+        prev_rows = [dict(r, date=r.get("date", previous["env"]["date"])) for r in previous["rows"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"cannot merge with {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
     fresh = {(r["task"], r["placement"], r["mode"]) for r in rows}
     fresh_modes = {(r["task"], r["mode"]) for r in rows if r["placement"] == "-"}
-    old = [r for r in json.loads(path.read_text())["rows"]
+    old = [r for r in prev_rows
            if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes]
     order = {p: i for i, p in enumerate(("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared", "-"))}
     return sorted(old + rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
@@ -437,7 +469,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 COLUMNS = ["configuration", "mode", "workers", "per-thread p50 ms", "p90 ms", "wall ms/step", "aggregate steps/s",
-           "ratio vs main-thread same mode", "GPU-busy", "note"]
+           "ratio vs main-thread same mode", "GPU-busy", "GIL-busy", "note"]
 
 
 def table_rows(rows: list[dict], task: str) -> list[list]:
@@ -447,7 +479,8 @@ def table_rows(rows: list[dict], task: str) -> list[list]:
             continue
         note = r.get("note") or (f"error: {r['error']}" if r.get("error") else "")
         out.append([r["configuration"], r["mode"], r["workers"], r.get("p50_ms"), r.get("p90_ms"),
-                    r.get("wall_ms"), r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), note.replace("|", "/")])
+                    r.get("wall_ms"), r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), r.get("gil_busy"),
+                    note.replace("|", "/")])
     return out
 
 
@@ -470,9 +503,11 @@ def target_lines(rows: list[dict]) -> list[str]:
                 if busy is not None:
                     lines.append(f"- GPU-busy, {task}, {placement}, {mode}: {busy:.2f} (target >= 0.9)")
     for mode in MODES:
-        threads, procs = get("train", "shared", mode, "steps_per_s"), get("train", "procs-shared", mode, "steps_per_s")
-        if threads and procs:
-            lines.append(f"- (no target) M threads / M processes sharing one device, aggregate, {mode}: {threads / procs:.2f}x")
+        for threads_key, procs_key, what in (("per-gpu", "procs-per-gpu", "N threads / N processes one per GPU"),
+                                             ("shared", "procs-shared", "M threads / M processes sharing one device")):
+            threads, procs = get("train", threads_key, mode, "steps_per_s"), get("train", procs_key, mode, "steps_per_s")
+            if threads and procs:
+                lines.append(f"- (no target) {what}, aggregate, {mode}: {threads / procs:.2f}x")
     return lines or ["- n/a: the targets are about CUDA graphs on GPUs; this run has none of the rows they need"]
 
 
@@ -489,14 +524,43 @@ def report(args, env: dict, rows: list[dict], interrupted: bool = False) -> str:
              "queue is backed up); aggregate = all timed steps / (last end - first start); GPU-busy = GPU activity / "
              f"wall time over {args.profile_steps} further steps under torch.profiler (main thread and 1 worker only)",
              *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]),
-             *(["- merged (--append) with earlier runs of the same day: each row's own settings are in the JSON"]
-               if args.append else []),
+             *(["- merged with earlier runs (--append, --merge-from): each row's date and settings are in the JSON"]
+               if args.append or getattr(args, "merge_from", None) else []),
              *(["- **interrupted**: only the cells listed were measured; the rest of the run never happened"]
-               if interrupted else []), ""]
+               if interrupted else []), *unmeasured_lines(rows), ""]
     for task in present_tasks(rows):
         lines += [f"## {TASK_TITLES[task]}", "", common.markdown_table(COLUMNS, table_rows(rows, task)), ""]
-    lines += ["## Targets", "", *target_lines(rows), ""]
+    lines += ["## Targets", "", *target_lines(rows), "", *gil_lines(rows)]
     return "\n".join(lines)
+
+
+def unmeasured_lines(rows: list[dict]) -> list[str]:
+    """Cells of the run's grid (its tasks x modes x placements) that have no row: a run cut short."""
+    out = []
+    for task in present_tasks(rows):
+        ran = [r for r in rows if r["task"] == task and r["placement"] != "-"]
+        labels = {r["placement"]: r["configuration"] for r in ran}
+        have = {(r["mode"], r["placement"]) for r in ran}
+        missing = [f"{mode} / {labels[key]}" for mode in MODES if any(m == mode for m, _ in have)
+                   for key in labels if (mode, key) not in have]
+        if missing:
+            out.append(f"- not measured ({task}): " + "; ".join(missing))
+    return out
+
+
+def gil_lines(rows: list[dict]) -> list[str]:
+    """--gil-profile: what held the GIL in each profiled cell."""
+    profiled = [r for r in rows if r.get("gil_leaves")]
+    if not profiled:
+        return []
+    lines = ["## Where the GIL goes (py-spy --gil, thread placements)", ""]
+    for r in profiled:
+        lines += [f"### {r['task']}, {r['mode']}, {r['configuration']}: GIL busy {common.fmt(r['gil_busy'])} "
+                  f"({r['gil_samples']} samples in {r['gil_ticks']} ticks)", "",
+                  common.markdown_table(["innermost frame holding the GIL", "share"],
+                                        [[frame, f"{100 * share:.1f}%"] for frame, share in r["gil_leaves"]]), "",
+                  "By file: " + ", ".join(f"{name} {100 * share:.0f}%" for name, share in r["gil_files"]), ""]
+    return lines
 
 
 def present_tasks(rows: list[dict]) -> list[str]:
@@ -529,6 +593,12 @@ def parse_args(argv=None):
     p.add_argument("--append", action="store_true",
                    help="merge into today's results file, replacing only the cells measured again (to split a "
                         "GPU run into several commands, e.g. one per --modes)")
+    p.add_argument("--merge-from", metavar="JSON",
+                   help="like --append, with the earlier rows from this results JSON (any day)")
+    p.add_argument("--gil-profile", type=float, default=0.0, metavar="SECONDS",
+                   help="in thread placements, after the timed steps, record the process with py-spy for SECONDS "
+                        "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in the bench extra)")
+    p.add_argument("--render", metavar="JSON", help="rewrite the .md and .png of a results JSON, then exit")
     p.add_argument("--cell", nargs=3, metavar=("MODE", "PLACEMENT", "TASK"), help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -543,6 +613,10 @@ def parse_args(argv=None):
     unknown = set(args.tasks.split(",")) - set(TASKS)
     if unknown:
         p.error(f"unknown tasks {sorted(unknown)}; use train, infer")
+    if args.gil_profile and pyspy.find() is None:
+        p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
+    if args.gil_profile < 0:
+        p.error("--gil-profile takes seconds >= 0")
     if args.warmup < 3 or args.steps < 1 or args.share < 1:
         p.error("need --warmup >= 3 (compile and capture happen there), --steps >= 1, --share >= 1")
     return args
@@ -551,6 +625,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     common.exit_on_sigterm()
+    if args.render:
+        render(Path(args.render))
+        return 0
     if args.cell:
         if not common.on_gpu():
             torch.set_num_threads(1)  # see CPU_THREADS_NOTE
@@ -569,19 +646,37 @@ def main(argv=None) -> int:
 
 def write_results(args, env: dict, rows: list[dict], started: float, interrupted: bool) -> None:
     out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, "" if args.model == "small" else "_dflash-step")
-    if args.append:
-        rows = merge_previous(out / f"{stem}.json", rows)
+    stem = common.results_stem(env, ("" if args.model == "small" else "_dflash-step") + ("_gil" if args.gil_profile else ""))
+    rows = [dict(r, date=env["date"]) for r in rows]
+    if args.merge_from or args.append:
+        rows = merge_previous(Path(args.merge_from) if args.merge_from else out / f"{stem}.json", rows)
     add_ratios(rows)
-    text = report(args, env, rows, interrupted)
-    print(text)
     common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
                                              "seconds": round(time.perf_counter() - started, 1),
                                              "interrupted": interrupted, "rows": rows})
-    (out / f"{stem}.md").write_text(text)
-    common.bar_plot(out / f"{stem}.png", plot_groups(rows, present_tasks(rows)),
-                    f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
+    print(write_views(out / stem, args, env, rows, interrupted))
     print(f"\nwrote {out / stem}.{{json,md,png}}", file=sys.stderr)
+
+
+def write_views(stem: Path, args, env: dict, rows: list[dict], interrupted: bool) -> str:
+    """The markdown report and the plot beside a results JSON; returns the report."""
+    text = report(args, env, rows, interrupted)
+    Path(f"{stem}.md").write_text(text)
+    common.bar_plot(Path(f"{stem}.png"), plot_groups(rows, present_tasks(rows)),
+                    f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
+    return text
+
+
+def render(path: Path) -> None:
+    """--render: the views of a results JSON again (after a change to the report)."""
+    try:
+        data = json.loads(path.read_text())
+        args, env, rows = argparse.Namespace(**data["args"]), data["env"], data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--render {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
+    stem = path.parent / path.name.removesuffix(".json")
+    write_views(stem, args, env, rows, data.get("interrupted", False))
+    print(f"wrote {stem}.{{md,png}}", file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,13 +21,14 @@
 #   last     the GIL profile and both DFlash benches, and the default (Trees) trainer in full
 #   channel  the channel's GPU tests, then both DFlash benches on one GPU each
 #   replay   benchmarks/replay_step_time.py, one model and some modes per call (REPLAY_* variables)
+#   replay-rest  (carry .whl) the replay cells session 5 left out, and the per-GPU thread cells under py-spy
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, replay-rest, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -62,6 +63,16 @@ resume_pair() {  # resume_pair TAG [trainer flags]: 100 steps uninterrupted, the
   trainer "$tag-a" "${flags[@]}"
   rm -rf "/tmp/dflash-$tag-a/checkpoints/step_00000100"; echo step_00000050 > "/tmp/dflash-$tag-a/checkpoints/latest"
   TRAIN_DIR="/tmp/dflash-$tag-a" trainer "$tag-b" "${flags[@]}" --resume
+}
+
+install_py_spy() {  # from the wheel carried in .whl/ (the device reaches no package index)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy*.whl && export PATH=/tmp/site/bin:$PATH
+}
+
+replay() {  # replay OUT_DIR [replay_step_time flags]: 100 timed steps a cell; per-cell progress and the tables
+  local dir=$1; shift; mkdir -p "$dir"
+  timeout "${BENCH_S:-540}" python3 benchmarks/replay_step_time.py --steps "${REPLAY_STEPS:-100}" --out-dir "$dir" "$@" 2>&1 \
+    | grep -E "^\||^\[|^#|rror|ratio|interrupted|not measured"
 }
 
 dflash_bench() {  # dflash_bench TAG [bench flags]: results in the logs, under TAG/ (the device returns few files)
@@ -124,7 +135,7 @@ case "$phase" in
     trainer one-gpu --devices cuda:0
     trainer all-gpus ;;
   profile|final|last)  # where the threaded pipeline's GIL time goes (issue 5); the whole-step trainer in full
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy*.whl && export PATH=/tmp/site/bin:$PATH
+    install_py_spy
     gil_profile() {  # gil_profile TAG [bench flags]
       local tag=$1; shift
       timeout "${PROFILE_S:-200}" python3 benchmarks/gil_profile.py --out-dir "$THREADGRAPH_GPU_LOG/$tag" "$@" 2>&1 \
@@ -173,14 +184,24 @@ case "$phase" in
     (export CUDA_VISIBLE_DEVICES=1; DFLASH_BENCH_S=200 dflash_bench trees-1gpu --devices cuda:0) & lane1=$!
     wait "$lane0" "$lane1" ;;
   replay)  # issue 5's replay_step_time on this machine's GPUs: REPLAY_MODEL (small | dflash), REPLAY_MODES,
-           # REPLAY_PLACEMENTS, REPLAY_TASKS; rows merge (--append) into today's file, seeded with benchmarks/results/$REPLAY_SEED
-           # (a file of the same day from an earlier call), so a set too long for one call spans two
-    dir="$THREADGRAPH_GPU_LOG/replay"; mkdir -p "$dir"
-    if [ -n "${REPLAY_SEED:-}" ]; then cp "benchmarks/results/$REPLAY_SEED" "$dir/"; fi
-    timeout "${BENCH_S:-540}" python3 benchmarks/replay_step_time.py --model "${REPLAY_MODEL:-small}" \
+           # REPLAY_PLACEMENTS, REPLAY_TASKS; rows merge into benchmarks/results/$REPLAY_SEED (an earlier
+           # call's file) when set, so a set too long for one call spans several
+    replay "$THREADGRAPH_GPU_LOG/replay" --model "${REPLAY_MODEL:-small}" \
       --modes "${REPLAY_MODES:-eager,compile,reduce-overhead,whole-step}" --tasks "${REPLAY_TASKS:-train,infer}" \
-      ${REPLAY_PLACEMENTS:+--placements "$REPLAY_PLACEMENTS"} \
-      --steps "${REPLAY_STEPS:-100}" --append --out-dir "$dir" 2>&1 | grep -E "^\||^\[|rror|ratio|interrupted" ;;
+      ${REPLAY_PLACEMENTS:+--placements "$REPLAY_PLACEMENTS"} ${REPLAY_SEED:+--merge-from "benchmarks/results/$REPLAY_SEED"} ;;
+  replay-rest)  # (carry .whl) what issue 5 still lacked after session 5 (~6 min on nvidia-h200-x2): the
+                # compile-default cells its replay calls left out, then the thread cells of the per-GPU
+                # miss under py-spy (where the GIL goes when two threads drive two GPUs)
+    install_py_spy
+    day=nvidia-h200_torch2.11.0_2026-11-29
+    BENCH_S=120 replay "$THREADGRAPH_GPU_LOG/replay" --model small --modes compile --placements shared,procs-per-gpu,procs-shared \
+      --merge-from "benchmarks/results/$day.json"
+    BENCH_S=150 replay "$THREADGRAPH_GPU_LOG/replay" --model dflash --tasks train --modes compile \
+      --placements shared,procs-per-gpu,procs-shared --merge-from "benchmarks/results/${day}_dflash-step.json"
+    for model in dflash small; do
+      BENCH_S=$([ "$model" = dflash ] && echo 170 || echo 90) replay "$THREADGRAPH_GPU_LOG/replay" --model "$model" --tasks train --modes reduce-overhead,whole-step \
+        --placements worker,per-gpu --gil-profile 5
+    done ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)

@@ -139,3 +139,53 @@ def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkey
     assert data["interrupted"] is True
     assert [(r["placement"], r["p50_ms"]) for r in data["rows"]] == [("main", 1.0)]
     assert "interrupted" in _one(tmp_path, "*.md").read_text()
+
+
+def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
+    """--gil-profile records the thread cells with py-spy; --render rebuilds the same report from the JSON."""
+    for proc, _ in runs[0].values():  # after the other scripts: two cores
+        proc.wait(timeout=300)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--quick", "--tasks", "train", "--modes",
+           "eager", "--placements", "main,worker", "--gil-profile", "2", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    if any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "needs py-spy")):
+        pytest.skip(f"py-spy cannot sample here: {proc.stderr.strip().splitlines()[-1][:200]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["placement"]: r for r in json.loads(_one(tmp_path, "cpu_torch*.json").read_text())["rows"]}
+    assert "gil_busy" not in rows["main"]  # the main thread alone is not recorded
+    worker = rows["worker"]
+    assert not worker.get("error"), worker
+    assert 0 < worker["gil_busy"] <= 1.05 and worker["gil_samples"] > 0, worker
+    assert worker["gil_leaves"] and abs(sum(share for _, share in worker["gil_files"]) - 1) < 0.5
+    md = _one(tmp_path, "cpu_torch*.md")
+    before = md.read_text()
+    assert "## Where the GIL goes" in before and "eager, 1 worker thread: GIL busy" in before
+    md.unlink()
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--render",
+                    str(_one(tmp_path, "cpu_torch*.json"))], cwd=ROOT, env=_env(), check=True, timeout=120)
+    assert md.read_text() == before
+
+
+def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
+    """--merge-from keeps the earlier file's cells not measured again, each row with its own date."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    replay = importlib.import_module("replay_step_time")
+
+    def row(placement, mode, p50, **extra):
+        return {"task": "train", "placement": placement, "configuration": placement, "mode": mode, "workers": 1,
+                "p50_ms": p50, "steps_per_s": 1e3 / p50, **extra}
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"env": {"date": "2000-01-01"}, "rows": [row("main", "eager", 9.0),
+                                                                           row("worker", "eager", 8.0)]}))
+    monkeypatch.setattr(replay, "run_cell_subprocess", lambda args, mode, key, label, workers, task: row(key, mode, 1.0))
+    monkeypatch.setattr(replay.common, "on_gpu", lambda: False)
+    replay.main(["--tasks", "train", "--modes", "eager", "--placements", "main", "--merge-from", str(earlier),
+                 "--out-dir", str(tmp_path / "out")])
+    rows = json.loads(_one(tmp_path / "out", "*.json").read_text())["rows"]
+    today = replay.common.environment()["date"]
+    assert [(r["placement"], r["p50_ms"], r["date"]) for r in rows] == [("main", 1.0, today), ("worker", 8.0, "2000-01-01")]
+    earlier.write_text("{not json")
+    with pytest.raises(SystemExit, match="not a replay_step_time results JSON"):
+        replay.main(["--tasks", "train", "--modes", "eager", "--placements", "main", "--merge-from", str(earlier),
+                     "--out-dir", str(tmp_path / "out")])
