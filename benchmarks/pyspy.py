@@ -103,15 +103,19 @@ def gil_busy(gil: list, wall: list) -> tuple[Optional[float], int, int]:
 def short_frame(frame: str) -> str:
     """'func (file.py:line)' with the path cut to its last two parts, for tables."""
     match = FRAME.match(frame)
-    if not match:
-        return frame
-    file = "/".join(Path(match["file"]).parts[-2:])
-    return f"{match['func']} ({file}:{match['line']})"
+    return f"{match['func']} ({_short_path(match['file'])}:{match['line']})" if match else frame
 
 
 def frame_file(frame: str) -> str:
     match = FRAME.match(frame)
-    return "/".join(Path(match["file"]).parts[-2:]) if match else frame
+    return _short_path(match["file"]) if match else frame
+
+
+def _short_path(path: str) -> str:
+    parts = Path(path).parts
+    if any(part.startswith("torchinductor") for part in parts):  # code Inductor wrote, named by a hash
+        return f"inductor-generated {parts[-1][:8]}"
+    return "/".join(parts[-2:])
 
 
 def top_shares(gil: list, key, n: int) -> list[tuple[str, float]]:

@@ -189,3 +189,20 @@ def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="not a replay_step_time results JSON"):
         replay.main(["--tasks", "train", "--modes", "eager", "--placements", "main", "--merge-from", str(earlier),
                      "--out-dir", str(tmp_path / "out")])
+
+
+def test_pyspy_summaries_from_raw_recordings(tmp_path):
+    """GIL-busy = GIL samples / the busiest thread's wall samples; shares by innermost frame and file."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    pyspy = importlib.import_module("pyspy")
+    gil = tmp_path / "gil.txt"
+    gil.write_text("thread (0x1): bench-0;run (threading.py:10);step (/r/b/replay.py:5) 30\n"
+                   "thread (0x2): bench-1;run (threading.py:10);call (/tmp/torchinductor_u/x/abcdefghij.py:7) 10\n")
+    wall = tmp_path / "wall.txt"
+    wall.write_text("thread (0x1): bench-0;run (threading.py:10) 80\nthread (0x2): bench-1;run (threading.py:10) 79\n")
+    samples = pyspy.read_samples(gil)
+    assert samples[0] == ("bench-0", ["run (threading.py:10)", "step (/r/b/replay.py:5)"], 30)
+    assert pyspy.gil_busy(samples, pyspy.read_samples(wall)) == (0.5, 40, 80)
+    assert pyspy.top_shares(samples, lambda f: pyspy.frame_file(f[-1]), 5) == [("b/replay.py", 0.75),
+                                                                                ("inductor-generated abcdefgh", 0.25)]
+    assert pyspy.gil_busy([], []) == (None, 0, 0)
