@@ -189,19 +189,19 @@ case "$phase" in
     replay "$THREADGRAPH_GPU_LOG/replay" --model "${REPLAY_MODEL:-small}" \
       --modes "${REPLAY_MODES:-eager,compile,reduce-overhead,whole-step}" --tasks "${REPLAY_TASKS:-train,infer}" \
       ${REPLAY_PLACEMENTS:+--placements "$REPLAY_PLACEMENTS"} ${REPLAY_SEED:+--merge-from "benchmarks/results/$REPLAY_SEED"} ;;
-  replay-rest)  # (carry .whl) what issue 5 still lacked after session 5 (~6 min on nvidia-h200-x2): the
-                # compile-default cells its replay calls left out, then the thread cells of the per-GPU
-                # miss under py-spy (where the GIL goes when two threads drive two GPUs)
+  replay-rest)  # (carry .whl) what issue 5 still lacked after session 5 (~9 min on nvidia-h200-x2): the
+                # thread cells of the per-GPU miss under py-spy (where the GIL goes when two threads drive
+                # two GPUs), then the compile-default cells that session's replay calls left out
     install_py_spy
     day=nvidia-h200_torch2.11.0_2026-11-29
+    for model in dflash small; do
+      BENCH_S=$([ "$model" = dflash ] && echo 180 || echo 100) replay "$THREADGRAPH_GPU_LOG/replay" --model "$model" \
+        --tasks train --modes reduce-overhead,whole-step --placements worker,per-gpu --gil-profile 5
+    done
     BENCH_S=120 replay "$THREADGRAPH_GPU_LOG/replay" --model small --modes compile --placements shared,procs-per-gpu,procs-shared \
       --merge-from "benchmarks/results/$day.json"
     BENCH_S=150 replay "$THREADGRAPH_GPU_LOG/replay" --model dflash --tasks train --modes compile \
-      --placements shared,procs-per-gpu,procs-shared --merge-from "benchmarks/results/${day}_dflash-step.json"
-    for model in dflash small; do
-      BENCH_S=$([ "$model" = dflash ] && echo 170 || echo 90) replay "$THREADGRAPH_GPU_LOG/replay" --model "$model" --tasks train --modes reduce-overhead,whole-step \
-        --placements worker,per-gpu --gil-profile 5
-    done ;;
+      --placements shared,procs-per-gpu,procs-shared --merge-from "benchmarks/results/${day}_dflash-step.json" ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)
