@@ -615,6 +615,8 @@ def parse_args(argv=None):
         p.error(f"unknown tasks {sorted(unknown)}; use train, infer")
     if args.gil_profile and pyspy.find() is None:
         p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
+    if args.merge_from and not Path(args.merge_from).is_file():
+        p.error(f"--merge-from {args.merge_from}: no such file")
     if args.gil_profile < 0:
         p.error("--gil-profile takes seconds >= 0")
     if args.warmup < 3 or args.steps < 1 or args.share < 1:

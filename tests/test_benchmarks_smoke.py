@@ -185,6 +185,8 @@ def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
     rows = json.loads(_one(tmp_path / "out", "*.json").read_text())["rows"]
     today = replay.common.environment()["date"]
     assert [(r["placement"], r["p50_ms"], r["date"]) for r in rows] == [("main", 1.0, today), ("worker", 8.0, "2000-01-01")]
+    with pytest.raises(SystemExit):  # argparse's error: no such file
+        replay.main(["--merge-from", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path / "out")])
     earlier.write_text("{not json")
     with pytest.raises(SystemExit, match="not a replay_step_time results JSON"):
         replay.main(["--tasks", "train", "--modes", "eager", "--placements", "main", "--merge-from", str(earlier),
