@@ -268,6 +268,12 @@ def parse_args(argv=None):
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     gpu = common.on_gpu()
     args.devices = args.devices or ("cuda:0" if gpu else "cpu")
+    from examples.dflash_trainer.placement import available_devices
+
+    try:  # here, not in each cell subprocess after a 3-minute asset build
+        available_devices([d.strip() for d in args.devices.split(",")])
+    except (ValueError, RuntimeError) as exc:
+        p.error(f"--devices {args.devices}: {exc}")
     args.steps = args.steps or (20 if args.quick else 100)
     args.assets = args.assets or ("tiny" if args.quick else "default")
     if args.quick:

@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 MODES = ("eager", "compile", "reduce-overhead", "whole-step")
 CPU_MODES = ("eager", "compile")
 TASKS = ("train", "infer")
+PLACEMENTS = ("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared")
 TASK_TITLES = {"train": "Training step (forward + backward + optimizer)", "infer": "Inference step (forward)"}
 BARRIER_TIMEOUT_S = 900
 _BUILD_LOCK = threading.Lock()
@@ -404,8 +405,6 @@ def run_all(args, rows: list[dict]) -> None:
     gpu = common.on_gpu()
     modes = args.modes.split(",") if args.modes else list(MODES if gpu else CPU_MODES)
     for mode in modes:
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         skip = None
         if not gpu and mode not in CPU_MODES:
             skip = "needs CUDA (CPU reduced form runs eager and compile only)"
@@ -457,7 +456,7 @@ def merge_previous(path: Path, rows: list[dict]) -> list[dict]:
     fresh_modes = {(r["task"], r["mode"]) for r in rows if r["placement"] == "-"}
     old = [r for r in prev_rows
            if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes]
-    order = {p: i for i, p in enumerate(("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared", "-"))}
+    order = {p: i for i, p in enumerate((*PLACEMENTS, "-"))}
     return sorted(old + rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
 
 
@@ -582,7 +581,7 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("small", "dflash"), default="small")
     p.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default: all; CPU: eager,compile)")
     p.add_argument("--tasks", default="train,infer", help="comma list of train, infer")
-    p.add_argument("--placements", help="comma list of main, worker, per-gpu, shared, procs-per-gpu, procs-shared")
+    p.add_argument("--placements", help=f"comma list of {', '.join(PLACEMENTS)}")
     p.add_argument("--share", type=int, default=3, help="M, the workers (and processes) sharing one device")
     p.add_argument("--profile-steps", type=int, default=20, help="steps in the GPU-busy window")
     p.add_argument("--whole-step-inner", choices=("eager", "compile"), default="eager",
@@ -610,15 +609,21 @@ def parse_args(argv=None):
         args.warmup = (10 if args.quick else 20) if gpu else (3 if args.quick else 5)
     if args.quick and args.profile_steps == 20:
         args.profile_steps = 5
+    bad_modes = [m for m in (args.modes or "").split(",") if m and m not in MODES]
+    if bad_modes:
+        p.error(f"unknown modes {bad_modes}; choose from {', '.join(MODES)}")
+    bad_placements = [k for k in (args.placements or "").split(",") if k and k not in PLACEMENTS]
+    if bad_placements:
+        p.error(f"unknown placements {bad_placements}; choose from {', '.join(PLACEMENTS)}")
     unknown = set(args.tasks.split(",")) - set(TASKS)
     if unknown:
         p.error(f"unknown tasks {sorted(unknown)}; use train, infer")
-    if args.gil_profile and pyspy.find() is None:
-        p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
     if args.merge_from and not Path(args.merge_from).is_file():
         p.error(f"--merge-from {args.merge_from}: no such file")
     if args.gil_profile < 0:
         p.error("--gil-profile takes seconds >= 0")
+    if args.gil_profile and pyspy.find() is None:
+        p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
     if args.warmup < 3 or args.steps < 1 or args.share < 1:
         p.error("need --warmup >= 3 (compile and capture happen there), --steps >= 1, --share >= 1")
     return args
@@ -639,8 +644,9 @@ def main(argv=None) -> int:
     try:
         run_all(args, rows)
     except (KeyboardInterrupt, SystemExit):  # a timeout or Ctrl-C: write the cells done so far, then stop
-        print(f"interrupted after {len(rows)} cells; writing those", file=sys.stderr, flush=True)
-        write_results(args, env, rows, started, interrupted=True)
+        if rows:
+            print(f"interrupted after {len(rows)} cells; writing those", file=sys.stderr, flush=True)
+            write_results(args, env, rows, started, interrupted=True)
         raise
     write_results(args, env, rows, started, interrupted=False)
     return 0

@@ -208,3 +208,23 @@ def test_pyspy_summaries_from_raw_recordings(tmp_path):
     assert pyspy.top_shares(samples, lambda f: pyspy.frame_file(f[-1]), 5) == [("b/replay.py", 0.75),
                                                                                 ("inductor-generated abcdefgh", 0.25)]
     assert pyspy.gil_busy([], []) == (None, 0, 0)
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("replay_step_time", ["--modes", "eager,bogus"], "unknown modes ['bogus']"),
+    ("replay_step_time", ["--placements", "per_gpu"], "unknown placements ['per_gpu']"),
+    ("replay_step_time", ["--gil-profile", "-1"], "seconds >= 0"),
+    ("dflash_throughput", ["--devices", "cuda:7"], "--devices cuda:7"),
+    ("dflash_throughput", ["--devices", "tpu"], "--devices tpu"),
+])
+def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, capsys, monkeypatch):
+    if _dflash_skip_reason() and script == "dflash_throughput":
+        pytest.skip(_dflash_skip_reason())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module.common, "on_gpu", lambda: False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
