@@ -454,10 +454,14 @@ def merge_previous(path: Path, rows: list[dict]) -> list[dict]:
         raise SystemExit(f"cannot merge with {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
     fresh = {(r["task"], r["placement"], r["mode"]) for r in rows}
     fresh_modes = {(r["task"], r["mode"]) for r in rows if r["placement"] == "-"}
-    old = [r for r in prev_rows
-           if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes]
+    return [r for r in prev_rows
+            if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes] + rows
+
+
+def in_order(rows: list[dict]) -> list[dict]:
+    """Rows by mode, then placement, as MODES and PLACEMENTS list them (tables and plot alike)."""
     order = {p: i for i, p in enumerate((*PLACEMENTS, "-"))}
-    return sorted(old + rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
+    return sorted(rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -658,6 +662,7 @@ def write_results(args, env: dict, rows: list[dict], started: float, interrupted
     rows = [dict(r, date=env["date"]) for r in rows]
     if args.merge_from or args.append:
         rows = merge_previous(Path(args.merge_from) if args.merge_from else out / f"{stem}.json", rows)
+    rows = in_order(rows)
     add_ratios(rows)
     common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
                                              "seconds": round(time.perf_counter() - started, 1),
@@ -683,7 +688,7 @@ def render(path: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--render {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
     stem = path.parent / path.name.removesuffix(".json")
-    write_views(stem, args, env, rows, data.get("interrupted", False))
+    write_views(stem, args, env, in_order(rows), data.get("interrupted", False))
     print(f"wrote {stem}.{{md,png}}", file=sys.stderr)
 
 if __name__ == "__main__":
