@@ -167,14 +167,16 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 
 
 def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, tmp_path):
+    logs = tmp_path / "logs"  # each rank's stdout in its own file: the ranks' JSON lines cannot interleave
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "examples.dflash_trainer", "--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl),
+           "--redirects", "1", "--log-dir", str(logs), "-m", "examples.dflash_trainer", "--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl),
            "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
            "--num-target-layers-used", "1", "--max-steps", "6", "--eval-every", "0", "--checkpoint-every", "3",
            "--out-dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"'))}
+    lines = [line for out in logs.rglob("stdout.log") for line in out.read_text().splitlines() if line.startswith('{"rank"')]
+    results = {r["rank"]: r for r in map(json.loads, lines)}
     assert sorted(results) == [0, 1] and all(r["world"] == 2 for r in results.values())
     # gradients (and the logged mean loss) are averaged over both processes' 3 drafters
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 6

@@ -12,6 +12,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 import typing
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 1
     bar.close()
-    if as_json:
-        print(json.dumps(results, default=str))
+    if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (json.dumps(results, default=str) + "\n").encode())
         return 0
     _print_summary(results)
     return 0
