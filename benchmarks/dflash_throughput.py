@@ -198,6 +198,8 @@ def run_cell_subprocess(args, name: str, cfg) -> dict:
 
 
 def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str, dict]:
+    from examples.dflash_trainer.metrics import format_phases
+
     ratio = None
     if threaded.get("tokens_per_s") and sequential.get("tokens_per_s"):
         ratio = threaded["tokens_per_s"] / sequential["tokens_per_s"]
@@ -219,7 +221,7 @@ def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str,
     workers = threaded.get("workers", {})
     wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures", "host ms per phase (p50)"]
     wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"],
-              phase_summary(w.get("phases_p50_ms", {}))] for name, w in workers.items()]
+              format_phases(w.get("phases_p50_ms", {})) or "-"] for name, w in workers.items()]
     lines = [
         f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
         f"- devices: {cfg.devices or 'all visible GPUs, else cpu'}; {cfg.targets} target + {cfg.drafters} drafter threads "
@@ -235,10 +237,6 @@ def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str,
         "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
     ]
     return "\n".join(lines), {"ratio": ratio}
-
-
-def phase_summary(phases: dict) -> str:
-    return ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) or "-"
 
 
 def parse_args(argv=None):
@@ -268,10 +266,11 @@ def parse_args(argv=None):
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     gpu = common.on_gpu()
     args.devices = args.devices or ("cuda:0" if gpu else "cpu")
+    from examples.dflash_trainer.config import TrainConfig
     from examples.dflash_trainer.placement import available_devices
 
     try:  # here, not in each cell subprocess after a 3-minute asset build
-        available_devices([d.strip() for d in args.devices.split(",")])
+        available_devices(TrainConfig(devices=args.devices).device_list)
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
     args.steps = args.steps or (20 if args.quick else 100)

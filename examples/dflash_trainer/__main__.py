@@ -18,6 +18,7 @@ import sys
 import typing
 
 from .config import CHOICES, TrainConfig
+from .metrics import format_phases
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,7 +101,7 @@ def _print_summary(r: dict) -> None:
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f})")
     for name, w in r["workers"].items():
         p50 = f"{w['p50_ms']:.2f} ms" if w["p50_ms"] is not None else "-"
-        phases = ", ".join(f"{k} {v:.2f}" for k, v in w.get("phases_p50_ms", {}).items())
+        phases = format_phases(w.get("phases_p50_ms", {}))
         print(f"  {name:<10} {w['device']:<7} step p50 {p50:>10}  warmup {w['warmup_s']:.1f} s  captures {w['captures']}"
               + (f"  host ms: {phases}" if phases else ""))
     print(f"metrics: {r['out_dir']}/metrics.jsonl  checkpoint: {r.get('checkpoint')}")

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["MetricsLogger", "PhaseTimes", "Throughput"]
+__all__ = ["MetricsLogger", "PhaseTimes", "Throughput", "format_phases"]
 
 _RESERVED = ("step", "time", "elapsed_s")
 
@@ -46,6 +46,11 @@ class PhaseTimes:
     def medians(self, skip: int = 0) -> dict[str, float]:
         """Median ms of each phase over its samples after the first ``skip`` (warmup)."""
         return {phase: statistics.median(values[skip:]) for phase, values in self.ms.items() if values[skip:]}
+
+
+def format_phases(medians: dict[str, float]) -> str:
+    """PhaseTimes.medians() as one line: "phase ms, phase ms"."""
+    return ", ".join(f"{phase} {ms:.2f}" for phase, ms in medians.items())
 
 
 def _jsonable(value: Any) -> Any:
