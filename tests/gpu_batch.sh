@@ -22,13 +22,14 @@
 #   channel  the channel's GPU tests, then both DFlash benches on one GPU each
 #   replay   benchmarks/replay_step_time.py, one model and some modes per call (REPLAY_* variables)
 #   replay-rest  (carry .whl) the replay cells session 5 left out, and the per-GPU thread cells under py-spy
+#   replay-fill  (carry .whl) the cells replay-rest ran out of time for
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, replay-rest, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, replay-rest, replay-fill, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -202,6 +203,18 @@ case "$phase" in
       --merge-from "benchmarks/results/$day.json"
     BENCH_S=150 replay "$THREADGRAPH_GPU_LOG/replay" --model dflash --tasks train --modes compile \
       --placements shared,procs-per-gpu,procs-shared --merge-from "benchmarks/results/${day}_dflash-step.json" ;;
+  replay-fill)  # (carry .whl) the cells replay-rest ran out of time for, merged into its 2026-11-30 files:
+                # whole-step per-GPU under py-spy (both models), the small model's last compile cells
+    install_py_spy
+    day=nvidia-h200_torch2.11.0_2026-11-30
+    BENCH_S=150 replay "$THREADGRAPH_GPU_LOG/replay" --model dflash --tasks train --modes whole-step --placements per-gpu \
+      --gil-profile 5 --merge-from "benchmarks/results/${day}_dflash-step_gil.json"
+    BENCH_S=90 replay "$THREADGRAPH_GPU_LOG/replay" --model small --tasks train --modes whole-step --placements per-gpu \
+      --gil-profile 5 --merge-from "benchmarks/results/${day}_gil.json"
+    BENCH_S=80 replay "$THREADGRAPH_GPU_LOG/replay" --model small --tasks train --modes compile --placements procs-shared \
+      --merge-from "benchmarks/results/$day.json"
+    BENCH_S=110 replay "$THREADGRAPH_GPU_LOG/replay" --model small --tasks infer --modes compile \
+      --placements procs-per-gpu,procs-shared --merge-from "$THREADGRAPH_GPU_LOG/replay/$day.json" ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)
