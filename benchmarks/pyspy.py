@@ -57,8 +57,11 @@ class Recorder:
         self.started = time.perf_counter()
 
     def done(self) -> bool:
-        """Both recordings have ended by themselves (their --duration is over)."""
-        return bool(self.procs) and all(proc.poll() is not None for proc in self.procs.values())
+        """Both recordings have ended by themselves (their --duration is over). Workers ask every
+        step while being profiled, so the clock answers until the duration is over, not waitpid."""
+        if not self.procs or time.perf_counter() - self.started < self.seconds:
+            return False
+        return all(proc.poll() is not None for proc in self.procs.values())
 
     def finish(self) -> float:
         """Wait for both recordings; a run that ended first cuts them short (SIGINT makes py-spy write).
