@@ -23,13 +23,14 @@
 #   replay   benchmarks/replay_step_time.py, one model and some modes per call (REPLAY_* variables)
 #   replay-rest  (carry .whl) the replay cells session 5 left out, and the per-GPU thread cells under py-spy
 #   replay-fill  (carry .whl) the cells replay-rest ran out of time for
+#   spread   issue 6 on two GPUs: the default trainer and the whole-step DFlash bench over both
 #   resume   the whole-step trainer twice uninterrupted (run-to-run drift), the Trees trainer resumed
 #   bench    benchmarks/replay_step_time.py (training) and benchmarks/dflash_throughput.py
 # Carry the default assets (THREADGRAPH_CACHE) to skip their 3-minute build: build them here with
 # `python -c "from examples.dflash_trainer.assets import default_assets; default_assets('.tgcache')"`
 # and pass carry=[".tgcache"].
 set -uo pipefail
-phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, replay-rest, replay-fill, resume, resume-whole, pair, trainer or bench}
+phase=${1:?phase: core, lanes, verify, tune, whole, switch, eight, eight-replay, profile, final, last, channel, replay, replay-rest, replay-fill, spread, resume, resume-whole, pair, trainer or bench}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. TOKENIZERS_PARALLELISM=false
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-$PWD/.tgcache} THREADGRAPH_GPU_LOG=/tmp/gpu-logs
@@ -215,6 +216,10 @@ case "$phase" in
       --merge-from "benchmarks/results/$day.json"
     BENCH_S=110 replay "$THREADGRAPH_GPU_LOG/replay" --model small --tasks infer --modes compile \
       --placements procs-per-gpu,procs-shared --merge-from "$THREADGRAPH_GPU_LOG/replay/$day.json" ;;
+  spread)  # issue 6's reduced form on nvidia-h200-x2 (carry .tgcache): the default trainer, 5 + 3 workers
+           # spread over both GPUs, then the DFlash bench on both with whole-step graphs (~8 min)
+    TRAIN_S=${TRAIN_S:-210} trainer spread-2gpus
+    DFLASH_BENCH_S=${DFLASH_BENCH_S:-200} dflash_bench whole-2gpus --devices cuda:0,cuda:1 --cuda-graphs whole-step ;;
   resume-whole)  # one GPU: the whole-step trainer resumed from its step-50 checkpoint
     TRAIN_S=150 resume_pair whole --devices cuda:0 --cuda-graphs whole-step ;;
   bench)
