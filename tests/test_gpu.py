@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,16 +22,19 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def scenario(name, *args, timeout=580):
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.gpu_scenarios", name, *map(str, args)]
+def scenario(name, *args, timeout=580, module="tests.gpu_scenarios"):
+    cmd = [sys.executable, "-X", "faulthandler", "-m", module, name, *map(str, args)]
     started = time.perf_counter()
     # An outer `timeout` sends SIGTERM: stop the session and let subprocess.run kill the scenario,
-    # which would otherwise keep the GPU and the batch script's pipe after pytest is gone.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # which would otherwise keep the GPU and the batch script's pipe after pytest is gone. (Only
+    # the main thread can set a handler; scenarios run from a pool rely on the main thread's.)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     log_dir = os.environ.get("THREADGRAPH_GPU_LOG")
     tag = "_".join([name, *map(str, args)]).replace("-", "")
     if log_dir:

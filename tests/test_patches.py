@@ -11,29 +11,37 @@ from conftest import run_in_thread
 trees = _compat.cudagraph_trees()
 
 
+ABSENT = object()
+
+
 def _targets():
+    """(patch name, target) -> (owner, attribute), for every target of every patch."""
     out = {}
     for patch in threadgraph.patches():
-        module_path, _, qualname = patch["target"].partition(":")
-        owner = __import__(module_path, fromlist=["_"])
-        *parents, attribute = qualname.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        out[patch["name"]] = (owner, attribute)
+        for target in patch["targets"]:
+            module_path, _, qualname = target.partition(":")
+            owner = __import__(module_path, fromlist=["_"])
+            *parents, attribute = qualname.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            out[patch["name"], target] = (owner, attribute)
     return out
 
 
 def test_install_is_idempotent_and_uninstall_restores_the_exact_originals(clean_patches):
     targets = _targets()
-    originals = {name: vars(owner)[attr] for name, (owner, attr) in targets.items()}
+    assert len(targets) > 50  # the fence's RNG entry points and ATen overloads are each a target
+    originals = {key: vars(owner).get(attr, ABSENT) for key, (owner, attr) in targets.items()}
     first = threadgraph.install()
     assert first, "nothing was patched"
-    wrapped = {name: vars(owner)[attr] for name, (owner, attr) in targets.items()}
+    wrapped = {key: vars(owner).get(attr, ABSENT) for key, (owner, attr) in targets.items()}
+    applied = {p["name"] for p in threadgraph.patches() if p["active"]}
+    assert all(wrapped[key] is not originals[key] for key in targets if key[0] in applied)
     assert threadgraph.install() == []
-    assert all(vars(owner)[attr] is wrapped[name] for name, (owner, attr) in targets.items())
+    assert all(vars(owner).get(attr, ABSENT) is wrapped[key] for key, (owner, attr) in targets.items())
     assert sorted(threadgraph.uninstall()) == sorted(first)
-    for name, (owner, attr) in targets.items():
-        assert vars(owner)[attr] is originals[name], name
+    for key, (owner, attr) in targets.items():
+        assert vars(owner).get(attr, ABSENT) is originals[key], key  # inherited ones are deleted again
     assert threadgraph.uninstall() == []
 
 

@@ -8,10 +8,12 @@ Public API (everything else is private and may change):
 - ``patches()``: which patches exist, what they fix, which are active.
 - ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups.
 - ``released()``: give up the device gate's slots around a blocking wait.
+- ``outside_captures()``: run a block of eager CUDA work the fence does not see outside captures.
 - ``capture_step()``: a whole training step replayed as one CUDA graph.
 """
 
-from ._errors import GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
+from ._errors import CaptureConflictError, GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
+from ._fence import outside_captures
 from ._gate import released
 from ._patches import install, installed, patches, uninstall
 from ._stats import StepStats
@@ -22,6 +24,7 @@ from ._worker import CompiledWorkerThread, WorkerGroup
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureConflictError",
     "CaptureError",
     "StepGraph",
     "capture_step",
@@ -36,6 +39,7 @@ __all__ = [
     "ensure_cudagraph_tls",
     "install",
     "installed",
+    "outside_captures",
     "patches",
     "release_cudagraph_tls",
     "released",

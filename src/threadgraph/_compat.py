@@ -160,6 +160,26 @@ def thread_exit_during_finalization_aborts() -> bool:
     return sys.version_info < (3, 14)
 
 
+def import_module(module_path: str) -> ModuleType:
+    return importlib.import_module(module_path)
+
+
+def default_device() -> torch.device:
+    """Where factory functions put tensors when no device is given (``torch.set_default_device``, 2.3+)."""
+    getter = getattr(torch, "get_default_device", None)
+    return getter() if getter is not None else torch.device("cpu")
+
+
+def _find_dynamo_compiling() -> Any:
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_dynamo_compiling", None)
+    return check if check is not None else importlib.import_module("torch._dynamo").is_compiling
+
+
+# Dynamo folds this predicate to True while it traces, so code guarded by it traces unchanged.
+is_dynamo_compiling = _find_dynamo_compiling()
+
+
 def copy_all_(destinations: tuple, sources: tuple) -> None:
     """``d.copy_(s, non_blocking=True)`` for each pair, as one op where torch has ``_foreach_copy_``:
     every op releases and retakes the GIL, which costs a hand-off when other threads are busy."""

@@ -31,3 +31,16 @@ class GateTimeout(ThreadgraphError):
         super().__init__(message)
         self.thread_name = thread_name
         self.device = device
+
+
+class CaptureConflictError(ThreadgraphError):
+    """Eager CUDA work that threadgraph does not order ran into another thread's capture.
+
+    The message names the op, the thread that was capturing and the fix; the CUDA error is the
+    cause. Attributes: ``device``, ``capturing_thread``, ``op``."""
+
+    def __init__(self, message: str, *, device: str, capturing_thread: str | None, op: str) -> None:
+        super().__init__(message)
+        self.device = device
+        self.capturing_thread = capturing_thread
+        self.op = op

@@ -25,8 +25,11 @@ workers (capture needs no other thread), except on the autograd device thread, w
 backward on behalf of a worker that holds nothing. Waits are bounded by ``timeout``; on expiry
 ``GateTimeout`` names the holders instead of hanging.
 
-Work in threads threadgraph does not know about (no worker, no ``shared()``) is not ordered
-by the gate: that is the user's responsibility.
+Work of threads that are not workers is ordered by the eager fence (``_fence.py``): each fenced
+op (eager RNG, device synchronisation, ``empty_cache``) runs inside :func:`fenced`, a shared slot
+held for that op alone. :func:`fenced` never waits while its thread holds anything (a thread
+with slots on other devices gives them up first, one that holds a gate exclusively runs the op
+directly), so it adds no edge to the wait graph above.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class DeviceGate:
         self._owner_depth = 0
         self._owner_saved_shared = 0
         self._exclusive_waiting = 0
+        self.last_exclusive: str | None = None  # who last held the device exclusively (for error messages)
 
     # -- shared -------------------------------------------------------------------------
     def acquire_shared(self) -> None:
@@ -117,6 +121,7 @@ class DeviceGate:
         with self._cond:
             if self._owner == me:
                 self._owner_depth += 1
+                _exclusive_depth.n += 1
                 return
             saved = self._shared.pop(me, 0)  # upgrade: never wait while holding a slot
             if saved:
@@ -131,7 +136,8 @@ class DeviceGate:
             finally:
                 self._exclusive_waiting -= 1
             self._owner, self._owner_depth, self._owner_saved_shared = me, 1, saved
-            self._names[me] = threading.current_thread().name
+            self._names[me] = self.last_exclusive = threading.current_thread().name
+        _exclusive_depth.n = getattr(_exclusive_depth, "n", 0) + 1
 
     def release_exclusive(self) -> None:
         me = threading.get_ident()
@@ -139,6 +145,7 @@ class DeviceGate:
             if self._owner != me:
                 raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases {self.device} exclusively without owning it")
             self._owner_depth -= 1
+            _exclusive_depth.n -= 1
             if self._owner_depth == 0:
                 self._owner = None
                 if self._owner_saved_shared:
@@ -153,6 +160,10 @@ class DeviceGate:
             yield
         finally:
             self.release_exclusive()
+
+    def holds_shared(self) -> bool:
+        """Whether the calling thread holds a shared slot (only this thread changes its entry)."""
+        return threading.get_ident() in self._shared
 
     # -- introspection ------------------------------------------------------------------
     def holders(self) -> dict[str, object]:
@@ -195,14 +206,47 @@ def _log_stacks(headline: str) -> None:
 
 _gates: dict[str, DeviceGate] = {}
 _gates_lock = threading.Lock()
+_exclusive_depth = threading.local()  # how many exclusive sections the calling thread is inside
 
 
 def gate_for(device: str) -> DeviceGate:
+    gate = _gates.get(device)  # a dict read is atomic; creation takes the lock
+    if gate is not None:
+        return gate
     with _gates_lock:
         gate = _gates.get(device)
         if gate is None:
             gate = _gates[device] = DeviceGate(device)
         return gate
+
+
+def in_exclusive_section() -> bool:
+    """Whether the calling thread holds some device's gate exclusively (it is warming up or capturing)."""
+    return getattr(_exclusive_depth, "n", 0) > 0
+
+
+@contextlib.contextmanager
+def fenced(device: str) -> Iterator[None]:
+    """Run one op outside every exclusive section of ``device``, waiting while its thread holds nothing.
+
+    - inside an exclusive section of any device: run at once (the op belongs to that warmup or
+      capture; waiting for another device's capture could close a cycle of captures);
+    - holding a shared slot of ``device``: run at once (the slot already excludes captures);
+    - holding slots of other devices only: give them all up, wait for ``device``, get them back;
+    - holding nothing: wait for a shared slot of ``device``.
+    """
+    if in_exclusive_section():
+        yield
+        return
+    gate = gate_for(device)
+    if gate.holds_shared():
+        yield
+        return
+    with _gates_lock:
+        others = [g for g in _gates.values() if g is not gate]
+    holds_other = any(g.holds_shared() for g in others)
+    with (released() if holds_other else contextlib.nullcontext()), gate.shared():
+        yield
 
 
 @contextlib.contextmanager

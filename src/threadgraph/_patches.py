@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat
+from . import _compat, _fence
 from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
 from ._registry import Patch, Registry
@@ -97,11 +98,18 @@ def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:
 
 def _exclusive(counter: str | None) -> Callable:
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        with gate_for(_device_of(instance, args, kwargs)).exclusive():
+        device = _device_of(instance, args, kwargs)
+        with gate_for(device).exclusive():
             state = current_worker()
             if counter and state is not None:
                 setattr(state, counter, getattr(state, counter) + 1)
-            return wrapped(*args, **kwargs)
+            try:
+                return wrapped(*args, **kwargs)
+            except RuntimeError as exc:
+                clear = _fence.explain_broken_capture(exc, device)
+                if clear is None:
+                    raise
+                raise clear from exc
 
     return wrapper
 
@@ -190,6 +198,28 @@ PATCHES = [
           "never (inherent to autograd's device threads)", "-", _release_slots),
 ]
 
+_FENCE_UNTIL = "upstream keeps capture mode out of other threads' generator use and syncs (not as of 2.15)"
+_FENCE_SEEN = ("seen on an H200, torch 2.11: pytorch#123177's repro (32 plain threads, torch.rand inputs) raised "
+               "'Offset increment outside graph capture encountered unexpectedly' in 1 and 7 of 32 threads")
+
+
+def _rng_targets() -> list[str]:
+    return (_fence.rng_function_targets() + _fence.aten_rng_targets())[1:]  # the first is the patch's target
+
+
+PATCHES += [
+    Patch("fence_rng", "torch:rand", _CAPTURE, "2.1 - 2.15", _FENCE_UNTIL, _FENCE_SEEN, None,
+          more_targets=_rng_targets, replace=_fence.fenced_function),
+    Patch("fence_synchronize", "torch.cuda:synchronize", _CAPTURE, "2.1 - 2.15", _FENCE_UNTIL, _FENCE_SEEN, None,
+          replace=lambda original: _fence.fenced_function(original, _fence.synchronize_device)),
+    Patch("capture_begin_exclusive", "torch.cuda.graphs:CUDAGraph.capture_begin", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE,
+          "any capture, also one made by hand with torch.cuda.graph, takes the device's gate", _fence.capture_begin_exclusive),
+    Patch("capture_end_exclusive", "torch.cuda.graphs:CUDAGraph.capture_end", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE,
+          "releases what capture_begin_exclusive took", _fence.capture_end_exclusive),
+]
+
+FENCE_PATCHES = frozenset({"fence_rng", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
+
 _registry = Registry(PATCHES)
 
 
@@ -200,10 +230,12 @@ def install(exclude: frozenset = frozenset()) -> list[str]:
     """Apply threadgraph's patches (idempotent). Returns the names applied by this call.
 
     ``exclude`` names patches to leave out (see ``patches()``); meant for experiments and for
-    demonstrating what each patch fixes, not for production.
+    demonstrating what each patch fixes, not for production. ``THREADGRAPH_EXCLUDE_PATCHES``
+    (a comma list) adds to it, so a benchmark's subprocesses can be run with a patch left out.
     """
     _compat.check_supported()
-    applied = _registry.install(frozenset(exclude))
+    from_env = {name.strip() for name in os.environ.get("THREADGRAPH_EXCLUDE_PATCHES", "").split(",") if name.strip()}
+    applied = _registry.install(frozenset(exclude) | from_env)
     if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():
         message = ("threadgraph: install() ran after this thread had already recorded CUDA graphs; graphs "
                    "compiled before install() stay bound to this thread's tree manager. Call install() "

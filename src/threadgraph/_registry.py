@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import wrapt
 
@@ -30,22 +30,42 @@ class Patch:
     releases: str  # torch releases checked / affected
     removable_when: str
     upstream: str
-    wrapper: Callable[..., Any]
+    wrapper: Optional[Callable[..., Any]]  # a wrapt wrapper (wrapped, instance, args, kwargs)
     applies: Callable[[], bool] = lambda: True
+    # Further targets, listed when the patch is installed (they can depend on the torch at hand).
+    more_targets: Callable[[], list[str]] = lambda: []
+    # Instead of a wrapt proxy, the object that replaces the original (for callables Dynamo must
+    # inline, which it cannot do through a proxy): ``replace(original) -> replacement``.
+    replace: Optional[Callable[[Any], Any]] = None
 
-    def owner_and_attribute(self) -> tuple[Any, str]:
-        module_path, _, qualname = self.target.partition(":")
+    def targets(self) -> list[str]:
+        return [self.target, *self.more_targets()]
+
+    def owner_and_attribute(self, target: Optional[str] = None) -> tuple[Any, str]:
+        module_path, _, qualname = (target or self.target).partition(":")
         owner: Any = importlib.import_module(module_path)
         *parents, attribute = qualname.split(".")
         for parent in parents:
             owner = getattr(owner, parent)
         return owner, attribute
 
+    def replacement_for(self, original: Any) -> Any:
+        if self.replace is not None:
+            return self.replace(original)
+        return PatchWrapper(original, self.wrapper)
+
+
+_ABSENT = object()  # the attribute was inherited, not set on the owner: uninstall deletes it
+
+
+def _is_threadgraphs(value: Any) -> bool:
+    return isinstance(value, PatchWrapper) or hasattr(value, "__threadgraph_original__")
+
 
 class Registry:
     def __init__(self, patches: list[Patch]) -> None:
         self._patches = {p.name: p for p in patches}
-        self._originals: dict[str, tuple[Any, str, Any]] = {}
+        self._originals: dict[str, list[tuple[Any, str, Any]]] = {}
         self._excluded: frozenset = frozenset()  # stays left out until uninstall()
         self._lock = threading.RLock()
 
@@ -60,14 +80,21 @@ class Registry:
             for patch in self._patches.values():
                 if patch.name in self._originals or patch.name in self._excluded or not patch.applies():
                     continue
-                owner, attribute = patch.owner_and_attribute()
-                original = vars(owner)[attribute]
-                if isinstance(original, PatchWrapper):
-                    continue
-                setattr(owner, attribute, PatchWrapper(original, patch.wrapper))
-                self._originals[patch.name] = (owner, attribute, original)
-                applied.append(patch.name)
-                log.debug("threadgraph: patched %s (%s)", patch.target, patch.name)
+                replaced = []
+                for target in patch.targets():
+                    owner, attribute = patch.owner_and_attribute(target)
+                    original = vars(owner).get(attribute, _ABSENT)
+                    # Wrap what the owner holds (a descriptor stays one); an inherited attribute is
+                    # wrapped as it is looked up and set on the owner, shadowing the base's.
+                    current = getattr(owner, attribute) if original is _ABSENT else original
+                    if _is_threadgraphs(current):
+                        continue
+                    setattr(owner, attribute, patch.replacement_for(current))
+                    replaced.append((owner, attribute, original))
+                    log.debug("threadgraph: patched %s (%s)", target, patch.name)
+                if replaced:
+                    self._originals[patch.name] = replaced
+                    applied.append(patch.name)
         return applied
 
     def uninstall(self) -> list[str]:
@@ -76,8 +103,11 @@ class Registry:
         with self._lock:
             self._excluded = frozenset()
             for name in reversed(list(self._originals)):
-                owner, attribute, original = self._originals.pop(name)
-                setattr(owner, attribute, original)
+                for owner, attribute, original in reversed(self._originals.pop(name)):
+                    if original is _ABSENT:
+                        delattr(owner, attribute)
+                    else:
+                        setattr(owner, attribute, original)
                 removed.append(name)
                 log.debug("threadgraph: restored %s", self._patches[name].target)
         return removed
@@ -92,6 +122,7 @@ class Registry:
                 {
                     "name": p.name,
                     "target": p.target,
+                    "targets": p.targets(),
                     "hazard": p.hazard,
                     "releases": p.releases,
                     "removable_when": p.removable_when,

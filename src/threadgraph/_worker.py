@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from ._errors import ThreadgraphError, WorkerError
+from ._fence import explain_capture_conflict
 from ._gate import gate_for
 from ._patches import install
 from ._stats import StepStats, StepTimer
@@ -137,7 +138,7 @@ class CompiledWorkerThread(threading.Thread):
             self._phase = "step"
             self._loop(timer, started)
         except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
-            error, failed_in = exc, self._phase
+            error, failed_in = _clear_capture_conflict(exc, self.device), self._phase
         try:
             self._phase = "teardown"
             with self.gate():  # CUDA work of this thread, event syncs included, holds the slot
@@ -205,6 +206,17 @@ class CompiledWorkerThread(threading.Thread):
             thread_name=self.name,
             device=str(self.device),
         )
+
+
+def _clear_capture_conflict(exc: BaseException, device: torch.device) -> BaseException:
+    """The CUDA error of a capture conflict, explained (the original as cause); anything else as it is."""
+    if device.type != "cuda":
+        return exc
+    clear = explain_capture_conflict(exc, device)
+    if clear is None:
+        return exc
+    clear.__cause__ = exc
+    return clear
 
 
 def _add_note(error: BaseException, note: str) -> None:

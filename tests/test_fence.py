@@ -1,0 +1,380 @@
+"""The eager fence against a simulated capture: a thread that holds the device's gate exclusively.
+
+On a CPU the fence would pass every op straight through (it fences CUDA devices only), so these
+tests make every op count as work on ``cuda:0`` (``on_cuda0``) and stand for a capture with a
+thread that holds ``cuda:0``'s gate exclusively, as the capture patches do.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import threadgraph
+from threadgraph import _fence
+from threadgraph._gate import gate_for, released
+
+HOLD_S = 0.3
+
+
+@pytest.fixture
+def on_cuda0(monkeypatch, clean_patches):
+    monkeypatch.setattr(_fence, "_tensor_index", lambda value: 0)
+    monkeypatch.setattr(_fence, "_device_index", lambda device: 0)
+    threadgraph.install()
+    yield gate_for("cuda:0")
+
+
+class Capture:
+    """A thread that holds a gate exclusively for HOLD_S seconds, like a recording."""
+
+    def __init__(self, gate):
+        self.gate, self.inside, self.released_at = gate, threading.Event(), None
+        self.thread = threading.Thread(target=self._run, name="capturing-thread")
+
+    def _run(self):
+        with self.gate.exclusive():
+            self.inside.set()
+            time.sleep(HOLD_S)
+            self.released_at = time.monotonic()
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.inside.wait(5)
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def _compiled_dropout():
+    fn = torch.compile(lambda x: F.dropout(x, 0.5, training=True) + torch.rand_like(x))
+    return lambda: fn(torch.ones(8))
+
+
+OPS = {
+    "torch.rand": lambda: torch.rand(3),
+    "torch.randn": lambda: torch.randn(3),
+    "torch.randint": lambda: torch.randint(0, 10, (3,)),
+    "torch.randperm": lambda: torch.randperm(5),
+    "torch.normal": lambda: torch.normal(torch.zeros(3), torch.ones(3)),
+    "torch.bernoulli": lambda: torch.bernoulli(torch.full((3,), 0.5)),
+    "torch.multinomial": lambda: torch.multinomial(torch.ones(4), 2),
+    "Tensor.uniform_": lambda: torch.empty(3).uniform_(),
+    "Tensor.normal_": lambda: torch.empty(3).normal_(),
+    "Tensor.bernoulli_": lambda: torch.empty(3).bernoulli_(0.5),
+    "Tensor.exponential_": lambda: torch.empty(3).exponential_(),
+    "Tensor.random_": lambda: torch.empty(3).random_(0, 5),
+    "F.dropout": lambda: F.dropout(torch.ones(3), 0.5, training=True),
+    "nn.Dropout": lambda: torch.nn.Dropout(0.5)(torch.ones(3)),
+    "aten.randint.low_out": lambda: torch.ops.aten.randint.low_out(0, 9, [3], out=torch.empty(3, dtype=torch.int64)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS) + ["compiled code, uncaptured"])
+def test_an_eager_rng_op_in_a_plain_thread_waits_until_the_capture_ends(on_cuda0, name):
+    op = OPS.get(name) or _compiled_dropout()
+    if name.startswith("compiled"):
+        op()  # compile now, outside the capture: the wait below is the compiled code's seed draw
+    torch.manual_seed(0)
+    expected = op()
+    result = {}
+
+    def bystander():
+        torch.manual_seed(0)
+        result["value"] = op()
+        result["done_at"] = time.monotonic()
+
+    with Capture(on_cuda0) as capture:
+        thread = threading.Thread(target=bystander)
+        thread.start()
+        thread.join(10)
+    assert result["done_at"] >= capture.released_at, f"{name} ran during the capture"
+    assert torch.equal(result["value"], expected) or name.startswith("compiled")
+
+
+def test_the_capturing_thread_runs_its_own_rng_and_syncs_at_once(on_cuda0):
+    with on_cuda0.exclusive():  # would deadlock if the fence waited for its own thread's capture
+        torch.rand(3)
+        torch.empty(3).uniform_()
+        with gate_for("cuda:1").exclusive():
+            torch.rand(3)  # an op on another device from inside a capture does not wait either
+
+
+def test_a_worker_holding_its_slot_does_not_wait_for_a_queued_capture(on_cuda0):
+    waiting = threading.Event()
+    with on_cuda0.shared():
+        def capture():
+            waiting.set()
+            with on_cuda0.exclusive():
+                pass
+
+        t = threading.Thread(target=capture)
+        t.start()
+        waiting.wait(5)
+        time.sleep(0.05)
+        started = time.monotonic()
+        torch.rand(3)  # the slot already keeps the capture out: no wait, no deadlock
+        assert time.monotonic() - started < 0.05
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_thread_with_slots_elsewhere_gives_them_up_while_it_waits(monkeypatch, clean_patches):
+    """W0 holds cuda:0 and draws on cuda:1; W1 holds cuda:1 and draws on cuda:0; both devices have
+    a capture queued. Holding a slot while waiting for the other device would close a cycle."""
+    drawing_on = threading.local()  # the device each thread's torch.rand counts as working on
+    monkeypatch.setattr(_fence, "_device_index", lambda device: drawing_on.index)
+    threadgraph.install()
+    gates = [gate_for("cuda:0"), gate_for("cuda:1")]
+    barrier = threading.Barrier(4)
+    errors = []
+
+    def worker(own):
+        try:
+            with gates[own].shared():
+                barrier.wait(5)
+                time.sleep(0.1)  # both captures are queued by now
+                drawing_on.index = 1 - own
+                torch.rand(3)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def capture(index):
+        try:
+            barrier.wait(5)
+            with gates[index].exclusive():
+                time.sleep(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(0,)), threading.Thread(target=worker, args=(1,)),
+               threading.Thread(target=capture, args=(0,)), threading.Thread(target=capture, args=(1,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), f"deadlock: {[g.holders() for g in gates]}"
+    assert errors == []
+    assert all(g.holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0} for g in gates)
+
+
+def test_without_the_fence_a_plain_thread_runs_straight_into_the_capture(monkeypatch, clean_patches):
+    monkeypatch.setattr(_fence, "_tensor_index", lambda value: 0)
+    monkeypatch.setattr(_fence, "_device_index", lambda device: 0)
+    threadgraph.install(exclude=frozenset({"fence_rng"}))
+    done = {}
+    with Capture(gate_for("cuda:0")) as capture:
+        t = threading.Thread(target=lambda: (torch.rand(3), done.setdefault("at", time.monotonic())))
+        t.start()
+        t.join(5)
+    assert done["at"] < capture.released_at  # this is the overlap that breaks a real capture
+
+
+def test_a_fenced_wait_is_bounded_and_names_the_capturing_thread(on_cuda0, monkeypatch):
+    monkeypatch.setattr(on_cuda0, "timeout", 0.1)
+    box = {}
+    with Capture(on_cuda0):
+        t = threading.Thread(target=lambda: box.setdefault("error", _raises(lambda: torch.rand(3))))
+        t.start()
+        t.join(5)
+    assert isinstance(box["error"], threadgraph.GateTimeout)
+    assert "capturing-thread" in str(box["error"])
+
+
+def _raises(fn):
+    try:
+        fn()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def test_cpu_ops_pass_straight_through_without_touching_a_gate(clean_patches):
+    threadgraph.install()
+    gate = gate_for("cuda:0")
+    with Capture(gate):
+        started = time.monotonic()
+        run = threading.Thread(target=lambda: (torch.rand(3), F.dropout(torch.ones(3), 0.5)))
+        run.start()
+        run.join(5)
+        assert time.monotonic() - started < HOLD_S / 2  # a CPU op has nothing to wait for
+
+
+def test_the_fence_leaves_compiled_graphs_unchanged(clean_patches):
+    def f(x):
+        return torch.rand(x.shape) + F.dropout(x, 0.5, training=True) + torch.empty_like(x).uniform_()
+
+    torch._dynamo.reset()
+    plain = torch._dynamo.explain(f)(torch.ones(4, 4))
+    threadgraph.install()
+    torch._dynamo.reset()
+    fenced = torch._dynamo.explain(f)(torch.ones(4, 4))
+    assert (fenced.graph_count, fenced.graph_break_count) == (plain.graph_count, plain.graph_break_count) == (1, 0)
+    assert [g.code for g in fenced.graphs] == [g.code for g in plain.graphs]
+
+
+def test_outside_captures_fences_any_block(on_cuda0):
+    done = {}
+    with Capture(on_cuda0) as capture:
+        def block():
+            with threadgraph.outside_captures("cuda:0"):
+                done["at"] = time.monotonic()
+
+        t = threading.Thread(target=block)
+        t.start()
+        t.join(5)
+    assert done["at"] >= capture.released_at
+
+
+def test_a_hand_made_capture_takes_the_gate_from_begin_to_end(monkeypatch, clean_patches):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    gate = gate_for("cuda:0")
+
+    class Graph:
+        pass
+
+    graph, calls = Graph(), []
+    _fence.capture_begin_exclusive(lambda: calls.append("begin"), graph, (), {})
+    assert gate.holders()["exclusive"] == threading.current_thread().name
+    with released():  # a worker's released() block inside a capture keeps the exclusive section
+        assert gate.holders()["exclusive"] == threading.current_thread().name
+    with pytest.raises(RuntimeError, match="capture failed"):
+        _fence.capture_end_exclusive(lambda: (_ for _ in ()).throw(RuntimeError("capture failed")), graph, (), {})
+    assert gate.holders()["exclusive"] is None  # released even though capture_end raised
+    with pytest.raises(RuntimeError, match="begin failed"):
+        _fence.capture_begin_exclusive(lambda: (_ for _ in ()).throw(RuntimeError("begin failed")), graph, (), {})
+    assert gate.holders()["exclusive"] is None
+
+
+# -- the protocol with the fence as a participant, under random interleavings ---------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_gate import COMPILE_LOCK, DeviceThread, Monitor  # noqa: E402
+from threadgraph import _gate  # noqa: E402
+
+DEVICES = ("sim:0", "sim:1")
+
+
+def _fenced_op(monitors, device):
+    with _gate.fenced(device):
+        monitors[device].enter("shared")
+        monitors[device].leave("shared")
+
+
+def _capture(gates, monitors, device):
+    with gates[device].exclusive():
+        monitors[device].enter("exclusive")
+        with _gate.fenced(device):  # the capture's own RNG draw runs at once, inside it
+            pass
+        monitors[device].leave("exclusive")
+
+
+def _run(gates, monitors, device_threads, own, program):
+    for op, index in program:
+        device = DEVICES[index]
+        if op == "fenced":
+            _fenced_op(monitors, device)
+        elif op == "capture":
+            _capture(gates, monitors, own or device)
+        elif op == "compile":  # a Dynamo compile that autotunes: fenced draws and syncs under the lock
+            with released(), COMPILE_LOCK:
+                _fenced_op(monitors, device)
+        elif op == "backward" and own is not None:
+            with released():
+                error = device_threads[own].backward(1).get(timeout=30)
+            if error is not None:
+                raise error
+
+
+fenced_programs = st.lists(
+    st.tuples(
+        st.sampled_from(["worker:0", "worker:1", "plain"]),
+        st.lists(st.tuples(st.sampled_from(["fenced", "capture", "compile", "backward"]), st.integers(0, 1)), max_size=10),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fenced_programs)
+def test_random_interleavings_with_fenced_ops_keep_captures_exclusive_and_finish(programs):
+    gates = {d: _gate.DeviceGate(d, timeout=30) for d in DEVICES}
+    monitors = {d: Monitor() for d in DEVICES}
+    _gate._gates.update(gates)
+    device_threads = {d: DeviceThread(gates[d], monitors[d]) for d in DEVICES}
+    errors = []
+    try:
+        def participant(role, program):
+            try:
+                if role == "plain":
+                    _run(gates, monitors, device_threads, None, program)
+                else:
+                    own = DEVICES[int(role[-1])]
+                    with gates[own].shared():  # like CompiledWorkerThread.step()
+                        monitors[own].enter("shared")
+                        monitors[own].leave("shared")
+                        _run(gates, monitors, device_threads, own, program)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=participant, args=p) for p in programs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), f"deadlock: {[g.holders() for g in gates.values()]}"
+        assert errors == []
+        for device in DEVICES:
+            assert monitors[device].violations == [], device
+            assert gates[device].holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0}
+    finally:
+        for device in DEVICES:
+            device_threads[device].jobs.put(None)
+            del _gate._gates[device]
+
+
+def _raise_in_user_code(message):
+    def user_draws_noise():
+        raise RuntimeError(message)
+
+    try:
+        user_draws_noise()
+    except RuntimeError as exc:
+        return exc
+
+
+def test_a_bystanders_cuda_error_becomes_one_clear_error_naming_op_thread_and_fix(on_cuda0):
+    with on_cuda0.exclusive():  # the capture this thread, "MainThread" here, made
+        pass
+    exc = _raise_in_user_code("Offset increment outside graph capture encountered unexpectedly.")
+    clear = _fence.explain_capture_conflict(exc, "cuda:0")
+    assert isinstance(clear, threadgraph.CaptureConflictError)
+    assert clear.capturing_thread == threading.current_thread().name and clear.device == "cuda:0"
+    assert "user_draws_noise" in clear.op or "raise RuntimeError(message)" in clear.op
+    assert "random-number draw" in str(clear) and "threadgraph.outside_captures()" in str(clear)
+    assert _fence.explain_capture_conflict(RuntimeError("CUDA out of memory"), "cuda:0") is None
+
+
+def test_a_worker_reports_a_capture_conflict_as_the_clear_error(clean_patches):
+    from threadgraph import _worker
+
+    exc = _raise_in_user_code("CUDA error: operation not permitted when stream is capturing")
+    clear = _worker._clear_capture_conflict(exc, torch.device("cuda", 0))
+    assert isinstance(clear, threadgraph.CaptureConflictError) and clear.__cause__ is exc
+    assert "device-wide synchronisation" in str(clear)
+    other = ValueError("unrelated")
+    assert _worker._clear_capture_conflict(other, torch.device("cuda", 0)) is other
+
+
+def test_a_capture_broken_by_unordered_work_says_so(clean_patches):
+    broken = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    clear = _fence.explain_broken_capture(broken, "cuda:0")
+    assert isinstance(clear, threadgraph.CaptureConflictError) and "restart" in str(clear)
+    assert _fence.explain_broken_capture(RuntimeError("Offset increment outside graph capture"), "cuda:0") is None
