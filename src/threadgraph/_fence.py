@@ -20,8 +20,22 @@ The fence wraps the Python entry points of that work (and the ATen RNG overloads
 code calls, such as Inductor's seed draw ``aten.randint.low_out``) so each call runs inside
 ``_gate.fenced(device)``: a shared slot of the op's device, held for that op alone. Capture
 paths hold the device's gate exclusively, so a fenced op waits until the capture ends, and a
-capture waits until the fenced ops in flight have returned. ``_gate`` explains why this cannot
-deadlock: a fenced op never waits while its thread holds a slot or an exclusive section.
+capture waits until the fenced ops in flight have returned.
+
+Invariant: no fenced op runs on a device while another thread holds that device's gate
+exclusively. Why it cannot deadlock (``_gate`` has the proof for the gate itself):
+
+- a fenced op waits only while its thread holds nothing: a thread that holds the op's device
+  shared runs at once (its slot already keeps captures out), one that holds other devices gives
+  those slots up first, and one inside an exclusive section (its own warm-up or capture, also on
+  autograd's device thread during a backward capture) runs at once. So a waiting fenced op is
+  never a holder anyone waits for;
+- an exclusive section waits only for shared holders, and a fenced op holds its slot only for
+  the op itself, which waits for nothing but the GPU;
+- Dynamo's compile lock: a compile may run fenced ops while holding the lock (max-autotune draws
+  random inputs and synchronises). Such an op waits for a capture, and no capture waits for the
+  compile lock: exclusive sections run compiled code, they do not compile, and workers queued on
+  the lock hold no slots (``gate_release_in_compile``).
 
 What it costs: nothing on the replay path (replays call none of these); on the eager path, for
 an op on a CUDA device, one lock acquire and release. Ops on the CPU pass straight through.
