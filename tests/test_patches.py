@@ -183,3 +183,14 @@ def test_install_before_any_graph_is_silent(clean_patches):
             threadgraph.install()
 
     run_in_thread(body)
+
+
+def test_uninstall_of_named_patches_restores_only_those(clean_patches):
+    threadgraph.install()
+    rand, synchronize = vars(torch)["rand"], vars(torch.cuda)["synchronize"]
+    assert threadgraph.uninstall(["fence_rng"]) == ["fence_rng"]
+    assert torch.rand.__class__.__name__ == "builtin_function_or_method" and torch.cuda.synchronize is synchronize
+    assert vars(torch)["rand"] is not rand
+    with pytest.raises(ValueError, match="no patch named \\['nope'\\]"):
+        threadgraph.uninstall(["nope"])
+    assert "fence_rng" in threadgraph.install()  # not left out: it comes back

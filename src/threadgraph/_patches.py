@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -252,9 +252,15 @@ def _trees_exist_in_this_thread() -> bool:
     return any(getattr(c, "tree_manager", None) is not None for c in containers.values())
 
 
-def uninstall() -> list[str]:
-    """Restore the exact original objects. Returns the names removed."""
-    return _registry.uninstall()
+def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
+    """Restore the exact original objects (of the patches in ``names`` only, if given). Returns the names removed."""
+    if names is None:
+        return _registry.uninstall()
+    names = frozenset(names)
+    known = {p["name"] for p in _registry.describe()}
+    if names - known:
+        raise ValueError(f"threadgraph: no patch named {sorted(names - known)}; known: {sorted(known)}")
+    return _registry.uninstall(names)
 
 
 @contextlib.contextmanager

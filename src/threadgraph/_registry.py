@@ -97,12 +97,17 @@ class Registry:
                     applied.append(patch.name)
         return applied
 
-    def uninstall(self) -> list[str]:
-        """Put every original back, in reverse order; returns the names removed."""
+    def uninstall(self, names: Optional[frozenset] = None) -> list[str]:
+        """Put the originals back (of ``names`` only, if given), in reverse order; returns the names removed.
+
+        A full uninstall also forgets what ``install(exclude=...)`` left out."""
         removed = []
         with self._lock:
-            self._excluded = frozenset()
+            if names is None:
+                self._excluded = frozenset()
             for name in reversed(list(self._originals)):
+                if names is not None and name not in names:
+                    continue
                 for owner, attribute, original in reversed(self._originals.pop(name)):
                     if original is _ABSENT:
                         delattr(owner, attribute)

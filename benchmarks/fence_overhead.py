@@ -1,0 +1,155 @@
+"""What the eager fence costs a steady-state step: fenced and unfenced phases interleaved in one process.
+
+    python benchmarks/fence_overhead.py [--phases 10] [--phase-seconds 0.6] [--out-dir benchmarks/results]
+
+Workers (``CompiledWorkerThread``) train or infer the small launch-bound model of
+``replay_step_time.py`` (24 x [Linear 512, GELU, LayerNorm], batch 16) with CUDAGraph Trees, alone
+and 3 sharing one GPU. After warm-up (compile and capture) the main thread alternates phases:
+the fence's eager-path patches (``fence_rng``, ``fence_synchronize``) installed, then removed,
+and so on; each worker times its steps by wall clock and tags each with the phase it began in
+(a step that straddles a switch is dropped). Prints and writes the median step of each phase
+kind and their ratio, per configuration. The capture patches are left in place: they run only
+while capturing, never in a steady-state step. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+import threadgraph  # noqa: E402
+
+EAGER_PATH_PATCHES = ("fence_rng", "fence_synchronize")
+WIDTH, DEPTH, BATCH = 512, 24, 16
+
+
+def small_model(seed: int, device) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(DEPTH):
+        linear = torch.nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5)
+        layers += [linear, torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
+    return torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
+
+
+class Phase:
+    """The phase the main thread is in: its number (even: fenced) and whether a switch is under way."""
+
+    def __init__(self):
+        self.number, self.switching = 0, False
+
+
+class StepWorker(threadgraph.CompiledWorkerThread):
+    def __init__(self, seed: int, task: str, phase: Phase, warmup: int):
+        super().__init__("cuda:0", name=f"{task}-{seed}", warmup_steps=warmup)
+        self.seed, self.task, self.phase, self.times = seed, task, phase, []
+        self.warm = threading.Event()
+
+    def setup(self):
+        model = small_model(self.seed, self.device)
+        self.x = torch.randn(BATCH, WIDTH, device=self.device, dtype=torch.bfloat16)
+        self.y = torch.randn(BATCH, WIDTH, device=self.device, dtype=torch.bfloat16)
+        if self.task == "train":
+            self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            self.fn = torch.compile(lambda x, y: F.mse_loss(model(x), y), mode="reduce-overhead")
+        else:
+            self.fn = torch.compile(model, mode="reduce-overhead")
+
+    def step(self):
+        phase, switching = self.phase.number, self.phase.switching
+        started = time.perf_counter()
+        if self.task == "train":
+            self.fn(self.x, self.y).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                self.fn(self.x)
+        torch.cuda.current_stream().synchronize()  # wall time of the whole step, GPU included
+        if self.stats.steps >= self.warmup_steps:
+            self.warm.set()
+            if not switching and not self.phase.switching and phase == self.phase.number:
+                self.times.append((phase, time.perf_counter() - started))
+
+
+def measure(task: str, workers: int, phases: int, phase_seconds: float, warmup: int) -> dict:
+    phase = Phase()
+    group = threadgraph.WorkerGroup([StepWorker(seed, task, phase, warmup) for seed in range(workers)])
+    group.start()
+    try:
+        for w in group.workers:
+            if not w.warm.wait(300):
+                raise RuntimeError(f"{w.name} did not finish warm-up in 300 s")
+        for number in range(phases):
+            phase.switching = True
+            if number % 2 == 0:
+                threadgraph.install()
+            else:
+                threadgraph.uninstall(EAGER_PATH_PATCHES)
+            phase.number = number
+            phase.switching = False
+            time.sleep(phase_seconds)
+    finally:
+        threadgraph.install()
+        group.stop()
+        group.join(120)
+    times = {"fenced": [], "unfenced": []}
+    for w in group.workers:
+        for number, seconds in w.times:
+            times["fenced" if number % 2 == 0 else "unfenced"].append(seconds * 1e3)
+    fenced, unfenced = statistics.median(times["fenced"]), statistics.median(times["unfenced"])
+    return {"task": task, "workers": workers, "fenced_p50_ms": round(fenced, 4), "unfenced_p50_ms": round(unfenced, 4),
+            "ratio_fenced_over_unfenced": round(fenced / unfenced, 4),
+            "steps": {k: len(v) for k, v in times.items()}}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phases", type=int, default=10, help="alternating phases, fenced first (even count)")
+    p.add_argument("--phase-seconds", type=float, default=0.6)
+    p.add_argument("--warmup", type=int, default=10, help="steps before timing (compile and capture)")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("fence_overhead.py needs a CUDA GPU: it times CUDAGraph Trees replays")
+    if args.phases < 2 or args.phases % 2:
+        sys.exit(f"--phases must be an even number >= 2 (fenced and unfenced in turn), got {args.phases}")
+    rows = []
+    for task in ("train", "infer"):
+        for workers in (1, 3):
+            row = measure(task, workers, args.phases, args.phase_seconds, args.warmup)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    gpu = "nvidia-" + torch.cuda.get_device_name(0).replace("NVIDIA ", "").lower().replace(" ", "-")
+    meta = {"gpu": gpu, "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat(),
+            "phases": args.phases, "phase_seconds": args.phase_seconds}
+    stem = f"fence-overhead_{gpu}_torch{meta['torch']}_{meta['date']}"
+    lines = [f"# Eager fence overhead on a steady-state step: {gpu}, torch {meta['torch']}, {meta['date']}", "",
+             f"Small model, CUDAGraph Trees in worker threads; {args.phases} phases of {args.phase_seconds} s, "
+             "fenced and unfenced in turn, one process per run; wall time per step (GPU included).", "",
+             "| task | workers | fenced p50 ms | unfenced p50 ms | fenced / unfenced | steps (fenced, unfenced) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['task']} | {r['workers']} | {r['fenced_p50_ms']} | {r['unfenced_p50_ms']} | "
+              f"{r['ratio_fenced_over_unfenced']} | {r['steps']['fenced']}, {r['steps']['unfenced']} |" for r in rows]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
