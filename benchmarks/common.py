@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import _stats
-from threadgraph._selftest import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
+from small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (a `timeout` around the script) into SystemExit, so subprocess.run kills the
@@ -86,7 +86,9 @@ def results_dir(out_dir: Optional[str]) -> Path:
 # -- the small launch-bound model -----------------------------------------------------------------
 
 def small_model(seed: int, device, width: int = WIDTH, depth: int = DEPTH) -> torch.nn.Module:
-    """depth x [Linear, GELU, LayerNorm]; bf16 on GPU, float32 on CPU."""
+    """depth x [Linear, GELU, LayerNorm]; bf16 on GPU, float32 on CPU. Raises this thread's
+    recompile limits (small_model.allow_recompiles): every benchmark thread compiles the same code."""
+    allow_recompiles()
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return mlp(seed, device, width, depth, dtype)
 

@@ -6,15 +6,17 @@
 
 threaded: ``examples.dflash_trainer.train.train`` with T target threads producing features and
 D drafter threads training on them (threadgraph workers). Its tokens/s is the trainer's own
-windowed counter (every 10 drafter steps); the first window holds setup, compilation and
+windowed counter (every LOG_EVERY drafter steps); the first window holds setup, compilation and
 capture and is left out of the steady figure.
 
 sequential: one thread does what early SpecForge did: for each batch, the target forward, then
 the drafter step (forward, backward, clip, AdamW), on the same devices (one replica per device,
-stepped in turn; replicas do not average gradients, which only favours this baseline), the
-same data order, anchors and sizes, compiled the same way (reduce-overhead on GPU, with
-CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on CPU). It
-processes as many batches as the threaded run; the same share of them is warmup.
+stepped in turn; replicas do not average gradients, which only favours this baseline). It steps
+the trainer's own components (``examples.dflash_trainer.pipeline``: target stages, drafter
+replicas, the batches with their anchors, the execution policy and the learning-rate schedule),
+so both pipelines see the same data order, anchors, sizes and compilation (reduce-overhead on
+GPU, with CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on
+CPU). It processes as many batches as the threaded run; the same share of them is warmup.
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
 error row and the other still runs.
@@ -37,13 +39,7 @@ import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 
 import torch  # noqa: E402
 
-LOG_EVERY = 10  # the trainer's tokens/s window, in drafter steps (examples/dflash_trainer/run.py)
-
-
-def anchor_seed(seed: int, batch_index: int) -> int:
-    """The trainer's per-batch anchor seed (Run.anchor_seed, rank 0)."""
-    return (seed * 1_000_003 + batch_index) % 2**62
-
+from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
 
 def run_threaded(cfg) -> dict:
     from examples.dflash_trainer.train import train
@@ -64,55 +60,26 @@ def run_threaded(cfg) -> dict:
 
 
 def run_sequential(cfg, warmup_batches: int) -> dict:
-    from examples.dflash_trainer.data import SampleStream, read_jsonl
-    from examples.dflash_trainer.model import DFlashDrafter
-    from examples.dflash_trainer.placement import available_devices
-    from examples.dflash_trainer.grads import FlatGrads, make_optimizer
-    from examples.dflash_trainer.loss import anchor_scores
-    from examples.dflash_trainer.step import (METRIC_NAMES, capture_graph, captures, compile_fn,
-                                              make_forward_backward, make_step_fn, make_target_step,
-                                              make_update)
-    from examples.dflash_trainer.target import TargetModel
-    from examples.dflash_trainer.train import resolve_inputs
+    """The trainer's components stepped in turn by one thread: for global batch b, the target
+    stage of replica b % R, then that drafter replica's forward-backward and update (no averaging)."""
+    from examples.dflash_trainer.pipeline import Pipeline
+    from examples.dflash_trainer.schedule import Schedule
 
-    devices = available_devices(cfg.device_list)
-    on_cuda = devices[0].startswith("cuda")
-    compiled = cfg.compiled_on(on_cuda)
-    bf16 = cfg.bf16_on(on_cuda)
-    autocast = torch.bfloat16 if bf16 else None
-    target_dir, train_jsonl, _, _ = resolve_inputs(cfg)
-    n = cfg.num_feature_layers
-    target_shape = TargetModel.shape_only(target_dir, num_feature_layers=n)
-    data = read_jsonl(train_jsonl, tokenizer=target_shape.tokenizer, seq_len=cfg.seq_len,
-                      vocab_size=target_shape.vocab_size)
-    how = dict(compiled=compiled, cuda_graphs=cfg.cuda_graphs)
-    total = (cfg.max_steps or 1) * cfg.drafters  # batches, as many as the threaded run
+    parts = Pipeline.build(cfg)
+    devices = [torch.device(d) for d in parts.devices]
+    total = parts.schedule.total_steps * cfg.drafters  # batches, as many as the threaded run
     rounds = -(-total // len(devices))
-
+    # Each replica takes `rounds` optimizer steps, on the trainer's schedule stretched over them.
+    schedule = Schedule.of(rounds, cfg.warmup_ratio)
     replicas = []
-    for i, dev in enumerate(devices):
-        device = torch.device(dev)
+    for device in devices:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        target = TargetModel.from_pretrained(target_dir, num_feature_layers=n,
-                                             dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
-        drafter = DFlashDrafter.from_target_config(target.config, target.embed_tokens, target.lm_head,
-                                                   cfg.num_draft_layers, n,
-                                                   generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        grads = FlatGrads(params, extras=len(METRIC_NAMES))
-        opt = make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=captures(**how))
-        step_fn = make_step_fn(drafter, block_size=cfg.block_size, gamma=cfg.gamma_value,
-                               mask_token_id=target_shape.mask_token_id, autocast_dtype=autocast)
-        history = torch.zeros(rounds, len(METRIC_NAMES) + 1, device=device)
-        replicas.append(dict(device=device, target_step=capture_graph(compile_fn(make_target_step(target.features, cfg.num_anchors), **how), **how),
-                             forward_backward=capture_graph(make_forward_backward(compile_fn(step_fn, **how), grads), **how),
-                             update=capture_graph(make_update(grads, opt, history, max_norm=cfg.grad_clip, first_step=0), **how),
-                             history=history, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                             stream=SampleStream(data, cfg.batch_size, seed=cfg.seed, shard=i, num_shards=len(devices))))
+        stage = parts.target_stage(device)
+        replicas.append((stage, parts.replica(device, schedule, target=stage.target)))  # one target per device
+    batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
 
     warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
-    anchor_rng = torch.Generator()
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
     for r in range(rounds):
@@ -122,25 +89,21 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             step_timer.discard()
             wall.begin()
         torch.compiler.cudagraph_mark_step_begin()
-        for i, rep in enumerate(replicas):
+        for i, (stage, replica) in enumerate(replicas):
             b = r * len(replicas) + i
-            device = rep["device"]
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            ids, loss_mask = rep["stream"].next_batch()
-            anchor_rng.manual_seed(anchor_seed(cfg.seed, b))
-            scores = anchor_scores(loss_mask, anchor_rng)
-            ids, loss_mask, scores = (t.to(device, non_blocking=True) for t in (ids, loss_mask, scores))
+            if stage.device.type == "cuda":
+                torch.cuda.set_device(stage.device)
+            index, *host = batches[b % cfg.targets].next()
+            assert index == b, (index, b)
+            inputs = stage.to_device(*host)
             if i == 0:
                 fwd_timer.start()
-            features, anchors, keep = rep["target_step"](ids, loss_mask, scores)
-            features, anchors, keep = features.clone(), anchors.clone(), keep.clone()  # as the target worker does
+            batch = stage.forward(*inputs)
             if i == 0:
                 fwd_timer.stop()
                 step_timer.start()
-            rep["forward_backward"](ids, loss_mask, features, anchors, keep)
-            rep["update"]()
-            rep["sched"].step()
+            replica.forward_backward(batch)
+            replica.update()
             if i == 0:
                 step_timer.stop()
     wall.finish()
@@ -152,9 +115,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
-        "devices": devices,
-        "mode": cfg.mode_on(on_cuda),
-        "loss_last": float(replicas[0]["history"][-1, 0]),
+        "devices": parts.devices,
+        "mode": parts.policy.mode,
+        "loss_last": float(replicas[0][1].history[-1, 0]),
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
         "drafter_step_p90_ms": common.p90(step_timer.ms),

@@ -8,11 +8,13 @@ It trains in this process with the throughput bench's settings (every option of
 compilation and capture), runs two py-spy recordings of itself for ``--seconds``:
 
 - ``--gil``: only the thread that holds the GIL, so samples / ticks is the GIL's busy fraction
-  and the lines they fall on are what the interpreter is busy with;
-- ``--idle``: every thread, so each line's share of a thread's wall time, waiting included.
+  and the frames they fall in are what the interpreter is busy with;
+- ``--idle``: every thread, so each stage's share of a thread's wall time, waiting included.
 
-A line of ``workers.py`` (a phase of a worker's ``step``) that takes much wall time but little
-GIL time waits: for peers, for the device, or for the GIL. Needs py-spy (``pip install py-spy``)
+Samples are keyed by what a worker's ``step`` was calling (a component's method: a stage's
+``forward``, the hand-off's ``put``/``get``, the replica's ``forward_backward`` or ``update``, the
+averager's ``average``). One that takes much wall time but little GIL time waits: for peers, for
+the device, or for the GIL. Needs py-spy (``pip install py-spy``)
 and permission to read this process's memory (ptrace); it asks Linux for that itself.
 """
 
@@ -20,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import linecache
-import os
 import re
 import shutil
 import sys
@@ -33,53 +33,54 @@ import common  # noqa: E402
 import dflash_throughput  # noqa: E402
 import pyspy  # noqa: E402
 
-STEP_FRAME = re.compile(r"^(?:\w+\.)?step \((.*workers\.py):(\d+)\)$")
-REPO = Path(__file__).resolve().parent.parent
-
-
 def thread_kind(name: str) -> str:
     return name.split("-")[0] if re.match(r"^(target|drafter)-\d+$", name) else name
 
 
-def step_line(frames: list[str]) -> str:
-    """The line of a worker's step() this sample is in, else the innermost frame."""
-    for frame in reversed(frames):
-        match = STEP_FRAME.match(frame)
-        if match:
-            file, line = match.group(1), int(match.group(2))
-            path = file if os.path.isabs(file) else str(REPO / "examples" / "dflash_trainer" / Path(file).name)
-            return f"workers.py:{line} {linecache.getline(path, line).strip()[:70]}"
-    return f"(outside step) {frames[-1] if frames else '?'}"
+def _function(frame: str) -> str:
+    match = pyspy.FRAME.match(frame)
+    return match["func"] if match else frame
+
+
+def step_stage(frames: list[str]) -> str:
+    """The function a worker's step() had called when sampled (a component's method: the target
+    stage's forward, the hand-off, the replica's forward_backward, ...), else where it was."""
+    names = [_function(f) for f in frames]
+    # The worker's step is the outermost step(): the optimizer's and the scheduler's are inside it.
+    at = next((i for i, name in enumerate(names) if name.rsplit(".", 1)[-1] == "step"), None)
+    if at is None:
+        return f"(outside step) {names[-1] if names else '?'}"
+    return names[at + 1] if at + 1 < len(names) else "(step itself)"
 
 
 def summarise(gil: list, wall: list) -> dict:
     busy, gil_total, ticks = pyspy.gil_busy(gil, wall)
     by_kind = collections.Counter()
-    by_line = collections.Counter()
+    by_stage = collections.Counter()
     by_leaf = collections.Counter()
     for thread, frames, count in gil:
         by_kind[thread_kind(thread)] += count
-        by_line[(thread_kind(thread), step_line(frames))] += count
+        by_stage[(thread_kind(thread), step_stage(frames))] += count
         by_leaf[frames[-1] if frames else "?"] += count
-    wall_line = collections.Counter()
+    wall_stage = collections.Counter()
     wall_kind = collections.Counter()
     for thread, frames, count in wall:
-        wall_line[(thread_kind(thread), step_line(frames))] += count
+        wall_stage[(thread_kind(thread), step_stage(frames))] += count
         wall_kind[thread_kind(thread)] += count
-    lines = [{"thread": kind, "line": line, "gil_share": count / gil_total,
-              "thread_wall_share": wall_line[(kind, line)] / max(1, wall_kind[kind])}
-             for (kind, line), count in by_line.most_common(18)]
+    stages = [{"thread": kind, "stage": stage, "gil_share": count / gil_total,
+               "thread_wall_share": wall_stage[(kind, stage)] / max(1, wall_kind[kind])}
+              for (kind, stage), count in by_stage.most_common(18)]
     return {
         "gil_samples": gil_total, "ticks": ticks, "gil_busy": busy,
         "gil_share_by_thread": {k: v / gil_total for k, v in by_kind.most_common()},
-        "lines": lines,
+        "stages": stages,
         "leaves": [{"frame": f, "gil_share": c / gil_total} for f, c in by_leaf.most_common(12)],
     }
 
 
 def report(summary: dict, args, env: dict, seconds: float) -> str:
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    rows = [[r["thread"], r["line"], pct(r["gil_share"]), pct(r["thread_wall_share"])] for r in summary["lines"]]
+    rows = [[r["thread"], r["stage"], pct(r["gil_share"]), pct(r["thread_wall_share"])] for r in summary["stages"]]
     leaves = [[r["frame"], pct(r["gil_share"])] for r in summary["leaves"]]
     return "\n".join([
         f"# GIL profile of the threaded DFlash pipeline ({'GPU' if env['gpu'] else 'CPU reduced form'})", "",
@@ -89,7 +90,7 @@ def report(summary: dict, args, env: dict, seconds: float) -> str:
         "", f"**GIL busy: {common.fmt(summary['gil_busy'])}** ({summary['gil_samples']} GIL samples in "
         f"{summary['ticks']} ticks)", "",
         "GIL share by thread kind: " + ", ".join(f"{k} {pct(v)}" for k, v in summary["gil_share_by_thread"].items()), "",
-        common.markdown_table(["thread", "where (line of the worker's step)", "share of GIL samples",
+        common.markdown_table(["thread", "where (what the worker's step called)", "share of GIL samples",
                                "share of that thread kind's wall samples"], rows), "",
         "## Innermost frames holding the GIL", "", common.markdown_table(["frame", "share of GIL samples"], leaves), "",
     ])

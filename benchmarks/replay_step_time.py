@@ -13,7 +13,8 @@ torch.multiprocessing (spawn) processes, which is what people use instead of thr
 Every (mode, placement) cell runs in its own subprocess (``--cell``, internal), so a failed
 capture costs one error row and the rest carry on. Without a GPU it runs a CPU reduced form
 (a smaller model, eager and compile only); those numbers say nothing about CUDA graphs.
-Warmup steps (which include compilation and capture) are excluded from every time.
+Warmup steps (which include compilation and capture) are excluded from every time. What a cell
+steps is in ``replay_work.py``; the report, the plot and ``--render`` in ``replay_report.py``.
 """
 
 from __future__ import annotations
@@ -28,173 +29,20 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 import pyspy  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from replay_report import PLACEMENTS, render, write_results  # noqa: E402
+from replay_work import CPU_MODES, MODES, TASKS, Plan  # noqa: E402
 
-MODES = ("eager", "compile", "reduce-overhead", "whole-step")
-CPU_MODES = ("eager", "compile")
-TASKS = ("train", "infer")
-PLACEMENTS = ("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared")
-TASK_TITLES = {"train": "Training step (forward + backward + optimizer)", "infer": "Inference step (forward)"}
 BARRIER_TIMEOUT_S = 900
-_BUILD_LOCK = threading.Lock()
-CPU_THREADS_NOTE = ("one intra-op thread per process (torch.set_num_threads(1)): OpenMP pools of several threads "
-                    "oversubscribe small CPUs and turn contention into 100x outliers")
-
-
-# -- what one step does ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Work:
-    module: torch.nn.Module
-    train_fn: Callable  # (*train_inputs) -> loss, or (loss, ...)
-    train_inputs: tuple
-    infer_fn: Callable  # (*infer_inputs) -> outputs
-    infer_inputs: tuple
-    make_opt: Callable[[bool], torch.optim.Optimizer]  # capturable -> optimizer
-
-
-def small_work(device: torch.device, seed: int) -> Work:
-    width, depth = (common.WIDTH, common.DEPTH) if device.type == "cuda" else (common.CPU_WIDTH, common.CPU_DEPTH)
-    model = common.small_model(seed, device, width, depth)
-    dtype = next(model.parameters()).dtype
-    g = torch.Generator().manual_seed(1000 + seed)
-    x = torch.randn(common.BATCH, width, generator=g).to(device, dtype)
-    y = torch.randn(common.BATCH, width, generator=g).to(device, dtype)
-    return Work(model, lambda x, y: F.mse_loss(model(x), y), (x, y), lambda x: model(x), (x,),
-                lambda capturable: torch.optim.SGD(model.parameters(), lr=1e-3))
-
-
-DFLASH_SIZES = {  # the drafter training step of examples/dflash_trainer, static random inputs
-    "cuda": dict(hidden=1024, heads=8, kv_heads=4, head_dim=128, intermediate=3072, vocab=32000, layers=8,
-                 batch=4, seq=512, anchors=32, block=16),
-    "cpu": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=1024, layers=8,
-                batch=2, seq=64, anchors=4, block=8),
-}
-
-
-def _qwen3_config(s: dict):
-    kw = dict(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-              head_dim=s["head_dim"], intermediate_size=s["intermediate"], vocab_size=s["vocab"],
-              num_hidden_layers=s["layers"])
-    try:
-        from transformers import Qwen3Config
-
-        return Qwen3Config(**kw)
-    except ImportError:  # from_target_config only reads attributes
-        return __import__("types").SimpleNamespace(rms_norm_eps=1e-6, rope_theta=1e6, **kw)
-
-
-def dflash_work(device: torch.device, seed: int) -> Work:
-    from examples.dflash_trainer.config import TrainConfig
-    from examples.dflash_trainer.loss import sample_anchors
-    from examples.dflash_trainer.model import DFlashDrafter
-    from examples.dflash_trainer.step import make_step_fn
-
-    common.allow_recompiles()
-    s = DFLASH_SIZES[device.type]
-    cfg = TrainConfig(block_size=s["block"], num_anchors=s["anchors"], seq_len=s["seq"], batch_size=s["batch"])
-    n, cuda = cfg.num_feature_layers, device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    with _BUILD_LOCK:  # one model at a time; weights only need to be sane, the cell measures time
-        torch.manual_seed(seed)
-        embed = torch.nn.Embedding(s["vocab"], s["hidden"])
-        lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False)
-        drafter = DFlashDrafter.from_target_config(_qwen3_config(s), embed, lm_head, cfg.num_draft_layers, n,
-                                                   generator=torch.Generator().manual_seed(seed))
-    embed.to(device, dtype).requires_grad_(False)  # Module.to is in place: the drafter sees the moved ones
-    lm_head.to(device, dtype).requires_grad_(False)
-    drafter.to(device)
-    g = torch.Generator().manual_seed(1000 + seed)
-    ids = torch.randint(0, s["vocab"] - 1, (s["batch"], s["seq"]), generator=g)
-    loss_mask = torch.ones_like(ids)
-    features = torch.randn(s["batch"], s["seq"], n * s["hidden"], generator=g).to(dtype)
-    anchors, keep = sample_anchors(loss_mask, s["anchors"], g)
-    inputs = tuple(t.to(device) for t in (ids, loss_mask, features, anchors, keep))
-    fn = make_step_fn(drafter, block_size=s["block"], gamma=cfg.gamma_value, mask_token_id=s["vocab"] - 1,
-                      autocast_dtype=torch.bfloat16 if cuda else None)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-
-    def make_opt(capturable: bool) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), capturable=capturable and cuda)
-
-    return Work(drafter, fn, inputs, fn, inputs, make_opt)
-
-
-def _loss(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def make_step(mode: str, task: str, work: Work, whole_step_inner: str = "eager") -> Callable[[], object]:
-    """A no-argument step on static inputs; built in the thread that will run it."""
-    compile_mode = {"compile": None, "reduce-overhead": "reduce-overhead"}.get(mode)
-    if task == "infer":
-        work.module.eval()
-        infer_fn, inputs = work.infer_fn, work.infer_inputs
-
-        def forward(*args):
-            with torch.no_grad():
-                return infer_fn(*args)
-
-        if mode == "whole-step":
-            import threadgraph
-
-            inner = torch.compile(forward) if whole_step_inner == "compile" else forward
-            graph = threadgraph.capture_step(inner)
-            return lambda: graph(*inputs)
-        fn = forward if mode == "eager" else torch.compile(forward, mode=compile_mode)
-        return lambda: fn(*inputs)
-
-    train_fn, inputs = work.train_fn, work.train_inputs
-    opt = work.make_opt(mode == "whole-step")
-    if mode == "whole-step":
-        import threadgraph
-
-        inner = torch.compile(train_fn) if whole_step_inner == "compile" else train_fn
-
-        def train_step(*args):
-            loss = _loss(inner(*args))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            return loss.detach()
-
-        graph = threadgraph.capture_step(train_step)
-        return lambda: graph(*inputs)
-    fn = train_fn if mode == "eager" else torch.compile(train_fn, mode=compile_mode)
-
-    def step():
-        loss = _loss(fn(*inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 # -- placements -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Plan:
-    model: str
-    mode: str
-    task: str
-    warmup: int
-    steps: int
-    profile: int  # steps of the GPU-busy window after the timed steps (0 = none)
-    whole_step_inner: str
-
-    def build(self, device: torch.device, seed: int) -> Callable[[], object]:
-        work = (dflash_work if self.model == "dflash" else small_work)(device, seed)
-        return make_step(self.mode, self.task, work, self.whole_step_inner)
 
 
 def placements(args, every: bool = False) -> list[tuple[str, str, list[str]]]:
@@ -442,142 +290,6 @@ def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, tas
     return {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": workers, "error": error}
 
 
-def merge_previous(path: Path, rows: list[dict]) -> list[dict]:
-    """--append / --merge-from: keep the rows of an earlier run that this run did not measure again
-    (each row says the date it was measured)."""
-    if not path.exists():
-        return rows
-    try:
-        previous = json.loads(path.read_text())
-        prev_rows = [dict(r, date=r.get("date", previous["env"]["date"])) for r in previous["rows"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"cannot merge with {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
-    fresh = {(r["task"], r["placement"], r["mode"]) for r in rows}
-    fresh_modes = {(r["task"], r["mode"]) for r in rows if r["placement"] == "-"}
-    return [r for r in prev_rows
-            if (r["task"], r["placement"], r["mode"]) not in fresh and (r["task"], r["mode"]) not in fresh_modes] + rows
-
-
-def in_order(rows: list[dict]) -> list[dict]:
-    """Rows by mode, then placement, as MODES and PLACEMENTS list them (tables and plot alike)."""
-    order = {p: i for i, p in enumerate((*PLACEMENTS, "-"))}
-    return sorted(rows, key=lambda r: (MODES.index(r["mode"]), order.get(r["placement"], 99)))
-
-
-def add_ratios(rows: list[dict]) -> None:
-    main = {(r["task"], r["mode"]): r.get("p50_ms") for r in rows if r["placement"] == "main"}
-    for r in rows:
-        ref = main.get((r["task"], r["mode"]))
-        r["ratio_vs_main"] = r["p50_ms"] / ref if ref and r.get("p50_ms") else None
-
-
-COLUMNS = ["configuration", "mode", "workers", "per-thread p50 ms", "p90 ms", "wall ms/step", "aggregate steps/s",
-           "ratio vs main-thread same mode", "GPU-busy", "GIL-busy", "note"]
-
-
-def table_rows(rows: list[dict], task: str) -> list[list]:
-    out = []
-    for r in rows:
-        if r["task"] != task:
-            continue
-        note = r.get("note") or (f"error: {r['error']}" if r.get("error") else "")
-        out.append([r["configuration"], r["mode"], r["workers"], r.get("p50_ms"), r.get("p90_ms"),
-                    r.get("wall_ms"), r.get("steps_per_s"), r.get("ratio_vs_main"), r.get("gpu_busy"), r.get("gil_busy"),
-                    note.replace("|", "/")])
-    return out
-
-
-def target_lines(rows: list[dict]) -> list[str]:
-    """The issue's targets, as numbers next to their thresholds (printed, never asserted)."""
-    def get(task, placement, mode, field):
-        return next((r.get(field) for r in rows if (r["task"], r["placement"], r["mode"]) == (task, placement, mode)), None)
-
-    lines = []
-    for mode in ("reduce-overhead", "whole-step"):
-        alone, per_gpu = get("train", "worker", mode, "p50_ms"), get("train", "per-gpu", mode, "p50_ms")
-        if alone and per_gpu:
-            lines.append(f"- N workers one per GPU / 1 worker alone, per-thread step, {mode}: {per_gpu / alone:.2f}x (target <= 1.05)")
-        shared, eager = get("train", "shared", mode, "steps_per_s"), get("train", "shared", "eager", "steps_per_s")
-        if shared and eager:
-            lines.append(f"- M workers sharing one GPU, aggregate {mode} / eager threads: {shared / eager:.2f}x (target >= 2)")
-        for placement in ("main", "worker"):
-            for task in TASKS:
-                busy = get(task, placement, mode, "gpu_busy")
-                if busy is not None:
-                    lines.append(f"- GPU-busy, {task}, {placement}, {mode}: {busy:.2f} (target >= 0.9)")
-    for mode in MODES:
-        for threads_key, procs_key, what in (("per-gpu", "procs-per-gpu", "N threads / N processes one per GPU"),
-                                             ("shared", "procs-shared", "M threads / M processes sharing one device")):
-            threads, procs = get("train", threads_key, mode, "steps_per_s"), get("train", procs_key, mode, "steps_per_s")
-            if threads and procs:
-                lines.append(f"- (no target) {what}, aggregate, {mode}: {threads / procs:.2f}x")
-    return lines or ["- n/a: the targets are about CUDA graphs on GPUs; this run has none of the rows they need"]
-
-
-def report(args, env: dict, rows: list[dict], interrupted: bool = False) -> str:
-    form = "GPU" if env["gpu"] else "CPU reduced form (smaller model; says nothing about CUDA graphs)"
-    model = {"small": f"{common.DEPTH} x [Linear {common.WIDTH}, GELU, LayerNorm], batch {common.BATCH}, bf16"
-             if env["gpu"] else f"{common.CPU_DEPTH} x [Linear {common.CPU_WIDTH}, GELU, LayerNorm], batch {common.BATCH}, float32",
-             "dflash": f"DFlash drafter step, {DFLASH_SIZES['cuda' if env['gpu'] else 'cpu']}"}[args.model]
-    timing = "CUDA events" if env["gpu"] else "perf_counter"
-    lines = [f"# Replay step time: {form}", "", *common.header_lines(env), f"- model: {model}",
-             f"- {args.steps} timed steps per thread after {args.warmup} warmup steps (compile and capture are in the "
-             f"warmup and excluded); per-thread p50/p90 by {timing} around each step; wall ms/step = the thread's timed "
-             "window / its steps (CUDA events give the GPU-side span of a step, which hides host time when the GPU "
-             "queue is backed up); aggregate = all timed steps / (last end - first start); GPU-busy = GPU activity / "
-             f"wall time over {args.profile_steps} further steps under torch.profiler (main thread and 1 worker only)",
-             *([] if env["gpu"] else [f"- {CPU_THREADS_NOTE}"]),
-             *(["- merged with earlier runs (--append, --merge-from): each row's date and settings are in the JSON"]
-               if args.append or getattr(args, "merge_from", None) else []),
-             *(["- **interrupted**: only the cells listed were measured; the rest of the run never happened"]
-               if interrupted else []), *unmeasured_lines(rows), ""]
-    for task in present_tasks(rows):
-        lines += [f"## {TASK_TITLES[task]}", "", common.markdown_table(COLUMNS, table_rows(rows, task)), ""]
-    lines += ["## Targets", "", *target_lines(rows), "", *gil_lines(rows)]
-    return "\n".join(lines)
-
-
-def unmeasured_lines(rows: list[dict]) -> list[str]:
-    """Cells of the run's grid (its tasks x modes x placements) that have no row: a run cut short."""
-    out = []
-    for task in present_tasks(rows):
-        ran = [r for r in rows if r["task"] == task and r["placement"] != "-"]
-        labels = {r["placement"]: r["configuration"] for r in ran}
-        have = {(r["mode"], r["placement"]) for r in ran}
-        missing = [f"{mode} / {labels[key]}" for mode in MODES if any(m == mode for m, _ in have)
-                   for key in labels if (mode, key) not in have]
-        if missing:
-            out.append(f"- not measured ({task}): " + "; ".join(missing))
-    return out
-
-
-def gil_lines(rows: list[dict]) -> list[str]:
-    """--gil-profile: what held the GIL in each profiled cell."""
-    profiled = [r for r in rows if r.get("gil_leaves")]
-    if not profiled:
-        return []
-    lines = ["## Where the GIL goes (py-spy --gil, thread placements)", ""]
-    for r in profiled:
-        lines += [f"### {r['task']}, {r['mode']}, {r['configuration']}: GIL busy {common.fmt(r['gil_busy'])} "
-                  f"({r['gil_samples']} samples in {r['gil_ticks']} ticks)", "",
-                  common.markdown_table(["innermost frame holding the GIL", "share"],
-                                        [[frame, f"{100 * share:.1f}%"] for frame, share in r["gil_leaves"]]), "",
-                  "By file: " + ", ".join(f"{name} {100 * share:.0f}%" for name, share in r["gil_files"]), ""]
-    return lines
-
-
-def present_tasks(rows: list[dict]) -> list[str]:
-    return [t for t in TASKS if any(r["task"] == t for r in rows)]
-
-
-def plot_groups(rows: list[dict], tasks: list[str]) -> dict:
-    groups: dict = {TASK_TITLES[t]: {} for t in tasks}
-    for r in rows:
-        if r.get("p50_ms") is not None:
-            groups[TASK_TITLES[r["task"]]].setdefault(r["configuration"], {})[r["mode"]] = r["p50_ms"]
-    return groups
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, help="timed steps per thread (default 300 on GPU, 40 on CPU)")
@@ -641,7 +353,7 @@ def main(argv=None) -> int:
         return 0
     if args.cell:
         if not common.on_gpu():
-            torch.set_num_threads(1)  # see CPU_THREADS_NOTE
+            torch.set_num_threads(1)  # see replay_report.CPU_THREADS_NOTE
         common.finish_cell(args.cell_out, run_cell(args, *args.cell))  # a row
     env = common.environment()
     started, rows = time.perf_counter(), []
@@ -655,41 +367,6 @@ def main(argv=None) -> int:
     write_results(args, env, rows, started, interrupted=False)
     return 0
 
-
-def write_results(args, env: dict, rows: list[dict], started: float, interrupted: bool) -> None:
-    out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, ("" if args.model == "small" else "_dflash-step") + ("_gil" if args.gil_profile else ""))
-    rows = [dict(r, date=env["date"]) for r in rows]
-    if args.merge_from or args.append:
-        rows = merge_previous(Path(args.merge_from) if args.merge_from else out / f"{stem}.json", rows)
-    rows = in_order(rows)
-    add_ratios(rows)
-    common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
-                                             "seconds": round(time.perf_counter() - started, 1),
-                                             "interrupted": interrupted, "rows": rows})
-    print(write_views(out / stem, args, env, rows, interrupted))
-    print(f"\nwrote {out / stem}.{{json,md,png}}", file=sys.stderr)
-
-
-def write_views(stem: Path, args, env: dict, rows: list[dict], interrupted: bool) -> str:
-    """The markdown report and the plot beside a results JSON; returns the report."""
-    text = report(args, env, rows, interrupted)
-    Path(f"{stem}.md").write_text(text)
-    common.bar_plot(Path(f"{stem}.png"), plot_groups(rows, present_tasks(rows)),
-                    f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
-    return text
-
-
-def render(path: Path) -> None:
-    """--render: the views of a results JSON again (after a change to the report)."""
-    try:
-        data = json.loads(path.read_text())
-        args, env, rows = argparse.Namespace(**data["args"]), data["env"], data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"--render {path}: not a replay_step_time results JSON ({type(exc).__name__}: {exc})")
-    stem = path.parent / path.name.removesuffix(".json")
-    write_views(stem, args, env, in_order(rows), data.get("interrupted", False))
-    print(f"wrote {stem}.{{md,png}}", file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())

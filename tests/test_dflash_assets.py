@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from examples.dflash_trainer import assets as A
+from examples.dflash_trainer import assets_build as B
 
 SPEC = A.BuildSpec.tiny()
 
@@ -81,7 +82,7 @@ def test_second_call_is_cache_hit(built, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("a complete cache must not be rebuilt")
 
-    monkeypatch.setattr(A, "_build", no_build)
+    monkeypatch.setattr(B, "build", no_build)
     assert A.default_assets(root, spec=SPEC) == a
 
 
@@ -91,7 +92,7 @@ def test_killed_build_leaves_no_partial_cache(tmp_path, monkeypatch):
         (out / A._TRAIN).write_text('{"input_ids": [1, 2')  # half a file, then "killed"
         raise _Killed("simulated kill while generating data")
 
-    monkeypatch.setattr(A, "_generate_data", killed)
+    monkeypatch.setattr(B, "_generate_data", killed)
     with pytest.raises(_Killed):
         A.default_assets(tmp_path, spec=SPEC)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -105,7 +106,7 @@ def test_failed_forced_rebuild_keeps_old_cache(built, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("training broke")
 
-    monkeypatch.setattr(A, "_train_target", broken)
+    monkeypatch.setattr(B, "_train_target", broken)
     with pytest.raises(RuntimeError, match="training broke"):
         A.default_assets(root, force=True, spec=SPEC)
     assert a.report.read_bytes() == before
@@ -134,7 +135,7 @@ def test_default_location_and_concurrent_callers_build_once(tmp_path, monkeypatc
     assert A.default_cache_root() == tmp_path / "tg"
     calls = []
     started = threading.Barrier(2, timeout=10)
-    monkeypatch.setattr(A, "_build", _fake_build(calls))
+    monkeypatch.setattr(B, "build", _fake_build(calls))
     results, errors = [], []
 
     def call():
@@ -164,7 +165,7 @@ def test_cache_root_from_xdg(monkeypatch, tmp_path):
 
 def test_spec_mismatch_rebuilds(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(A, "_build", _fake_build(calls))
+    monkeypatch.setattr(B, "build", _fake_build(calls))
     a = A.default_assets(tmp_path, spec=SPEC)
     a.report.write_text(json.dumps({"spec": {"stale": True}}))
     A.default_assets(tmp_path, spec=SPEC)

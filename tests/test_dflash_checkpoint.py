@@ -47,13 +47,12 @@ def test_round_trip_restores_everything(tmp_path, frozen):
     for _ in range(3):
         _train_step(drafter, opt, sched)
     cfg = TrainConfig(max_steps=10)
-    data_state = {"epoch": 1, "position": 5, "seed": 0, "consumer": 0, "consumers": 1}
-    save_checkpoint(tmp_path, 3, drafter, opt, sched, [data_state], {"config": cfg.to_dict()})
+    save_checkpoint(tmp_path, 3, drafter, opt, sched, {"config": cfg.to_dict()})
     after_save = (torch.rand(3), random.random())
 
     fresh, fresh_opt, fresh_sched = _setup(frozen, 1)
-    step, data, extra = load_checkpoint(tmp_path, fresh, fresh_opt, fresh_sched)
-    assert (step, data) == (3, [data_state])
+    step, extra = load_checkpoint(tmp_path, fresh, fresh_opt, fresh_sched)
+    assert step == 3
     assert TrainConfig.from_dict(extra["config"]) == cfg
     for (name, a), b in zip(drafter.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name  # bit-identical
@@ -77,7 +76,7 @@ def test_round_trip_restores_everything(tmp_path, frozen):
 
 def test_weights_file_holds_only_drafter_weights(tmp_path, frozen):
     drafter, opt, sched = _setup(frozen, 0)
-    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched)
     keys = set(load_file(str(path / "model.safetensors")))
     assert keys == set(drafter.state_dict()) and not any("embed" in k for k in keys)
 
@@ -85,8 +84,8 @@ def test_weights_file_holds_only_drafter_weights(tmp_path, frozen):
 def test_latest_points_at_newest(tmp_path, frozen):
     drafter, opt, sched = _setup(frozen, 0)
     assert latest_checkpoint(tmp_path) is None
-    save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
-    newest = save_checkpoint(tmp_path, 2, drafter, opt, sched, None)
+    save_checkpoint(tmp_path, 1, drafter, opt, sched)
+    newest = save_checkpoint(tmp_path, 2, drafter, opt, sched)
     assert latest_checkpoint(tmp_path) == newest
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp leftovers
     assert load_checkpoint(newest, drafter)[0] == 2  # a step directory also loads
@@ -94,7 +93,7 @@ def test_latest_points_at_newest(tmp_path, frozen):
 
 def test_corrupt_weights_name_the_file(tmp_path, frozen):
     drafter, opt, sched = _setup(frozen, 0)
-    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched)
     (path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(CheckpointError, match="model.safetensors is corrupt"):
         load_checkpoint(tmp_path, drafter, opt, sched)
@@ -102,7 +101,7 @@ def test_corrupt_weights_name_the_file(tmp_path, frozen):
 
 def test_missing_state_names_the_file(tmp_path, frozen):
     drafter, opt, sched = _setup(frozen, 0)
-    path = save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    path = save_checkpoint(tmp_path, 1, drafter, opt, sched)
     (path / "state.pt").unlink()
     with pytest.raises(CheckpointError, match="state.pt is missing"):
         load_checkpoint(tmp_path, drafter, opt, sched)
@@ -115,7 +114,7 @@ def test_no_checkpoint_is_a_clear_error(tmp_path, frozen):
 
 def test_other_architecture_is_a_clear_error(tmp_path, frozen):
     drafter, opt, sched = _setup(frozen, 0)
-    save_checkpoint(tmp_path, 1, drafter, opt, sched, None)
+    save_checkpoint(tmp_path, 1, drafter, opt, sched)
     other = DFlashDrafter(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8,
                           intermediate_size=64, num_layers=2, num_feature_layers=2,
                           rms_norm_eps=1e-6, rope_theta=10000.0, embed_tokens=frozen[0],

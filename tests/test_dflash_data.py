@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from examples.dflash_trainer.data import (DataError, SampleStream, TokenData, read_jsonl,
+from examples.dflash_trainer.data import (DataError, SampleStream, ShardBatches, TokenData, anchor_seed, read_jsonl,
                                           tokenize_lines)
 
 
@@ -147,7 +147,6 @@ def test_each_epoch_visits_every_sample_once_across_shards():
                                   world_size=2)
             for _ in range(2):  # 24 samples / (6 consumers * batch 2) = 2 batches per epoch
                 seen += stream.next_batch()[0][:, 0].tolist()
-            assert stream.batches_per_epoch == 2
     assert sorted(seen) == list(range(24))
 
 
@@ -155,23 +154,47 @@ def test_epochs_are_reshuffled():
     stream = SampleStream(_numbered(16), 16, seed=1)
     first, second = stream.next_batch()[0][:, 0], stream.next_batch()[0][:, 0]
     assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(16))
-    assert not torch.equal(first, second) and stream.epoch == 2
+    assert not torch.equal(first, second)
 
 
-def test_resume_yields_the_same_next_batches():
+def test_skipping_batches_yields_what_consuming_them_would():
     data = _numbered(7)
     stream = SampleStream(data, 3, seed=2, shard=1, num_shards=2)
     for _ in range(4):  # crosses epoch boundaries (7 samples, 2 consumers)
         stream.next_batch()
-    state = json.loads(json.dumps(stream.state_dict()))  # survives serialisation
-    expected = [stream.next_batch()[0] for _ in range(5)]
-    resumed = SampleStream(data, 3, seed=2, shard=1, num_shards=2)
-    resumed.load_state_dict(state)
-    for batch in expected:
-        assert torch.equal(resumed.next_batch()[0], batch)
+    skipped = SampleStream(data, 3, seed=2, shard=1, num_shards=2, skip_batches=4)
+    for _ in range(5):
+        assert torch.equal(skipped.next_batch()[0], stream.next_batch()[0])
 
 
-def test_resume_into_another_layout_is_an_error():
-    state = SampleStream(_numbered(7), 3, seed=2).state_dict()
-    with pytest.raises(ValueError, match="same data, seed, and shard/rank layout"):
-        SampleStream(_numbered(7), 3, seed=3).load_state_dict(state)
+def _shard_batches(data, shard, *, rank=0, first=0, end=12):
+    return ShardBatches(data, 2, seed=3, shard=shard, num_shards=3, rank=rank, world_size=2, first=first, end=end)
+
+
+def test_shard_batches_are_global_batches_b_mod_shards_until_the_end():
+    shards = [_shard_batches(_numbered(30), t) for t in range(3)]
+    indices = []
+    while not all(s.done for s in shards):
+        for s in shards:
+            if not s.done:
+                indices.append(s.next()[0])
+    assert sorted(indices) == list(range(12)) and [b % 3 for b in indices[:3]] == [0, 1, 2]
+
+
+def test_a_resumed_shard_continues_with_the_same_batches_and_anchor_draws():
+    data = _numbered(30)
+    full = _shard_batches(data, 1)
+    batches = [full.next() for _ in range(4)]  # global batches 1, 4, 7, 10
+    resumed = _shard_batches(data, 1, first=5)  # a run resumed at batch 5 starts this shard at 7
+    for b, ids, mask, scores in batches[2:]:
+        again = resumed.next()
+        assert again[0] == b and all(torch.equal(x, y) for x, y in zip(again[1:], (ids, mask, scores)))
+    assert resumed.done and full.done
+
+
+def test_anchor_draws_depend_on_the_batch_and_the_rank():
+    data = _numbered(30)
+    b0, b1 = _shard_batches(data, 0).next()[3], _shard_batches(data, 1).next()[3]
+    other_rank = _shard_batches(data, 0, rank=1).next()[3]
+    assert not torch.equal(b0, b1) and not torch.equal(b0, other_rank)
+    assert anchor_seed(3, 1, 0) != anchor_seed(3, 0, 0) != anchor_seed(3, 0, 1)

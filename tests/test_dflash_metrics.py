@@ -1,12 +1,13 @@
-"""MetricsLogger (JSONL, flushed, thread-safe) and Throughput (windowed tokens/s)."""
+"""MetricsLogger (JSONL, flushed, thread-safe), TrainingLog (windows, divergence) and PhaseTimes."""
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from examples.dflash_trainer.metrics import MetricsLogger, PhaseTimes, Throughput
+from examples.dflash_trainer.metrics import MetricsLogger, PhaseTimes, TrainingDiverged, TrainingLog
 
 
 def _read(path):
@@ -69,48 +70,32 @@ def test_thread_safe_lines_never_interleave(tmp_path):
                                                                for i in range(200)]
 
 
-class _Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+def _log(start_step=0, records=None):
+    return TrainingLog(metric_names=("loss",), start_step=start_step, tokens_per_step=100, lr_at=lambda step: 0.5 * step,
+                       base_lr=1e-3, checkpoint_dir=Path("ckpt"), metrics=None,
+                       progress=None if records is None else records.append)
 
 
-def test_throughput_rate_over_window():
-    clock = _Clock()
-    tp = Throughput(window_s=10.0, clock=clock)
-    assert tp.rate() == 0.0
-    for _ in range(5):
-        clock.t += 1.0
-        tp.add(100)
-    assert tp.total == 500
-    assert tp.rate() == pytest.approx(100.0)
-    # A faster phase: once the window has moved past the slow phase, only it counts.
-    for _ in range(20):
-        clock.t += 1.0
-        tp.add(1000)
-    assert tp.rate() == pytest.approx(1000.0)
-    clock.t += 100.0  # idle: the rate decays to zero
-    assert tp.rate() == 0.0
-    assert tp.total == 20_500
+def test_training_log_reads_the_history_in_windows_and_leaves_the_first_out_of_steady():
+    history = torch.tensor([[float(i), 1.0] for i in range(1, 31)])  # [loss, grad_norm] of steps 1..30
+    records = []
+    log = _log(records=records)
+    assert not log.due(9) and log.due(10)
+    log.flush(history, 10)
+    assert "tokens_per_s_steady" not in log.results()  # compilation and warmup
+    log.flush(history, 25)
+    results = log.results()
+    assert results["losses"] == [float(i) for i in range(1, 26)]
+    assert results["last"] == records[-1] and results["last"]["step"] == 25 and results["last"]["loss"] == 25.0
+    assert results["last"]["lr"] == pytest.approx(12.0)  # lr_at(step - 1): the lr step 25 trained with
+    assert results["tokens_per_s_steady"] > 0 and [r["step"] for r in records] == [10, 25]
 
 
-@pytest.mark.timeout(30)
-def test_throughput_counts_from_threads():
-    tp = Throughput()
-    threads = [threading.Thread(target=lambda: [tp.add(3) for _ in range(1000)]) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-        assert not t.is_alive()
-    assert tp.total == 12_000
-
-
-def test_throughput_window_must_be_positive():
-    with pytest.raises(ValueError, match="window_s must be > 0"):
-        Throughput(window_s=0)
+def test_training_log_names_the_first_step_that_diverged():
+    history = torch.tensor([[1.0, 1.0], [float("nan"), 1.0], [2.0, float("inf")]])
+    log = _log(start_step=0)
+    with pytest.raises(TrainingDiverged, match=r"step 2: .*not finite.*lower --lr \(now 0.001\).*ckpt"):
+        log.flush(history, 3)
 
 
 def test_phase_times_split_each_step_and_skip_warmup(monkeypatch):

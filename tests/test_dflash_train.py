@@ -161,9 +161,23 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    assert "checkpoint saved" in err
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    assert f"checkpoint saved to {tmp_path / 'checkpoints' / latest}" in err
     assert int(latest.split("_")[1]) >= 2  # the steps the leader completed before Ctrl-C
+
+
+def test_ctrl_c_before_any_checkpoint_says_none_was_saved(tmp_path, monkeypatch, capsys):
+    from examples.dflash_trainer import __main__ as cli
+    from examples.dflash_trainer import train as train_module
+
+    def interrupted(config, progress=None):
+        raise train_module.Interrupted(None)  # what train() raises when no step completed
+
+    monkeypatch.setattr(train_module, "train", interrupted)
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+    assert cli.main(["--devices", "cpu", "--out-dir", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: no checkpoint saved" in err and "checkpoint saved to" not in err
 
 
 def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, tmp_path):
@@ -219,13 +233,13 @@ def test_compiled_gated_pipeline_finishes_like_the_eager_one(tiny_assets, tmp_pa
     (Dynamo's compile lock, FX tracing, lazy backward compiles) and capture-like sections take the
     gate inside compiled calls. On an H200 this layout stalled behind queued compiles."""
     import threadgraph
-    from examples.dflash_trainer import run as run_mod
+    from examples.dflash_trainer.policy import ExecutionPolicy
     from threadgraph import _worker
     from threadgraph._gate import gate_for
 
     backend = _trees_like_backend()
     monkeypatch.setattr(_worker.CompiledWorkerThread, "gate", lambda self: gate_for(str(self.device)).shared())
-    monkeypatch.setattr(run_mod.Run, "compile", lambda self, fn: torch.compile(fn, backend=backend))
+    monkeypatch.setattr(ExecutionPolicy, "compile", lambda self, fn: torch.compile(fn, backend=backend))
     monkeypatch.setattr(gate_for("cpu"), "timeout", 120)
     torch._dynamo.reset()
     threadgraph.install()

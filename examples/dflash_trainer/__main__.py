@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         results = train(config, progress=progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         bar.close()
-        print("interrupted: checkpoint saved; continue with --resume", file=sys.stderr)
+        saved = getattr(interrupt, "checkpoint", None)  # train.Interrupted, once the workers ran
+        print(f"interrupted: checkpoint saved to {saved}; continue with --resume" if saved is not None else
+              "interrupted: no checkpoint saved (no step completed, or this process does not save)", file=sys.stderr)
         return 130
     except Exception as err:  # one clear line for humans; the cause chain is in the log above
         bar.close()

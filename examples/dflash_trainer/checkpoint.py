@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints: drafter weights, optimiser, schedule, data position, RNG.
+"""Atomic, resumable checkpoints: drafter weights, optimiser, schedule, RNG, and the run's settings.
 
 Layout under `root`: `step_00000100/{model.safetensors, state.pt}` plus a `latest` file naming
 the newest step directory. A step directory is written under a temporary name and renamed, and
@@ -12,15 +12,20 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .config import TrainConfig
+
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 LATEST = "latest"
+# Fields that must match between a checkpoint and the run resuming from it.
+RESUME_KEYS = ("target", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
+               "batch_size", "drafters", "seed", "lr", "epochs", "max_steps")
 
 
 class CheckpointError(RuntimeError):
@@ -29,11 +34,12 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
                     optimizer: torch.optim.Optimizer | None, scheduler: Any,
-                    data_state: Any, extra: dict | None = None) -> Path:
+                    extra: dict | None = None) -> Path:
     """Write checkpoint `step` under `root`; returns its directory.
 
-    `data_state` and `extra` must be plain Python data (dicts, lists, numbers, strings,
-    tensors): they are loaded back with torch.load(weights_only=True).
+    `extra` must be plain Python data (dicts, lists, numbers, strings, tensors): it is loaded
+    back with torch.load(weights_only=True). The data position needs no saving: it follows from
+    the step (data.ShardBatches).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -51,7 +57,6 @@ def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
         "step": step,
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "data": data_state,
         "extra": extra or {},
         "rng": _rng_state(),
     }, tmp / STATE)
@@ -78,8 +83,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, drafter: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None) -> tuple[int, Any, dict]:
-    """Restore from a root (via `latest`) or a step directory; returns (step, data_state, extra).
+                    scheduler: Any = None) -> tuple[int, dict]:
+    """Restore from a root (via `latest`) or a step directory; returns (step, extra).
 
     Also restores the torch, Python and (if saved and available) CUDA RNG states.
     """
@@ -102,12 +107,50 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    return state["step"], state["data"], state["extra"]
+    return state["step"], state["extra"]
 
 
 def read_state(path: str | Path) -> dict:
-    """The non-weight state of a step directory (step, optimizer, scheduler, data, extra, RNG)."""
+    """The non-weight state of a step directory (step, optimizer, scheduler, extra, RNG)."""
     return _read(Path(path) / STATE, lambda f: torch.load(f, map_location="cpu", weights_only=True))
+
+
+class Checkpointer:
+    """A run's checkpoint directory: the checkpoint ``--resume`` starts from (refused when it was
+    written with other settings), restoring a replica from it, and saving."""
+
+    def __init__(self, directory: str | Path, config: TrainConfig) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self.resume_from: Optional[Path] = self._resume_path() if config.resume else None
+        self.start_step = self._checked_step(self.resume_from) if self.resume_from is not None else 0
+        self.saved: Optional[Path] = None  # the newest checkpoint this run wrote
+
+    def restore(self, drafter: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        """Load the resume checkpoint into a replica; nothing when the run starts fresh."""
+        if self.resume_from is not None:
+            load_checkpoint(self.resume_from, drafter, optimizer, scheduler)
+
+    def save(self, step: int, drafter: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
+        self.saved = save_checkpoint(self.directory, step, drafter, optimizer, scheduler,
+                                     {"config": json.dumps(self.config.to_dict())})
+        return self.saved
+
+    def _resume_path(self) -> Path:
+        path = latest_checkpoint(self.directory)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.directory}; run without --resume to start fresh")
+        return path
+
+    def _checked_step(self, path: Path) -> int:
+        state = read_state(path)
+        saved = json.loads(state.get("extra", {}).get("config", "{}"))
+        mine = self.config.to_dict()
+        differ = {k: (saved.get(k), mine[k]) for k in RESUME_KEYS if k in saved and saved[k] != mine[k]}
+        if differ:
+            raise ValueError(f"--resume: checkpoint {path} was written with different settings {differ} (saved, now); "
+                             "resume with the same settings or use a new --out-dir")
+        return int(state["step"])
 
 
 def _read(file: Path, loader: Any) -> Any:

@@ -45,17 +45,16 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 disables periodic checkpoints
     resume: bool = False
     seed: int = 0
-    compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU
+    compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU (policy.ExecutionPolicy)
     # With reduce-overhead: "trees" = CUDAGraph Trees per compiled region; "whole-step" = the
     # target step, the drafter's forward + backward and its clip + AdamW update each captured as
     # one CUDA graph per worker (threadgraph.capture_step; Inductor kernels inside); only the
-    # gradient averaging between them stays eager. About 3x faster on an H200.
+    # gradient averaging between them stays eager, so far fewer Python ops per step hold the GIL.
     cuda_graphs: str = "trees"
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     channel_capacity: int = 4
     # How long a thread may hold the GIL while others wait (sys.setswitchinterval); None = Python's
-    # (5 ms). Shorter intervals did not help 8 workers on an H200: threaded/sequential tokens/s
-    # 0.72x at 5 ms, 0.68x at 1 ms, 0.54x at 0.05 ms (tests/gpu_batch.sh tune).
+    # (5 ms). A knob for experiments: the GIL is handed over at every eager op anyway.
     gil_switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -110,19 +109,6 @@ class TrainConfig:
                 f"{_DEFAULT_GAMMA}); pass gamma explicitly, e.g. gamma=block_size/2"
             )
         return _DEFAULT_GAMMA[self.block_size]
-
-    def compiled_on(self, on_cuda: bool) -> bool:
-        """Whether the run compiles: reduce-overhead asked for, or auto on CUDA."""
-        return self.compile == "reduce-overhead" or (self.compile == "auto" and on_cuda)
-
-    def mode_on(self, on_cuda: bool) -> str:
-        """How steps execute: "eager", "reduce-overhead" (CUDAGraph Trees) or "whole-step"."""
-        if not self.compiled_on(on_cuda):
-            return "eager"
-        return "whole-step" if self.cuda_graphs == "whole-step" else "reduce-overhead"
-
-    def bf16_on(self, on_cuda: bool) -> bool:
-        return self.dtype == "bfloat16" or (self.dtype == "auto" and on_cuda)
 
     @property
     def switch_interval_s(self) -> float | None:

@@ -1,4 +1,4 @@
-"""JSONL training data -> fixed-shape (ids, loss_mask) batches, resumable and shardable.
+"""JSONL training data -> fixed-shape (ids, loss_mask) batches, sharded over target threads.
 
 Accepted line formats (one JSON object per line; blank lines are ignored):
 
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
+
+from .loss import anchor_scores
 
 logger = logging.getLogger(__name__)
 
@@ -200,16 +203,17 @@ def _segments(messages: list[dict], where: str, tokenizer: Any) -> list[tuple[st
 
 
 class SampleStream:
-    """Endless fixed-shape batches in an epoch-shuffled order, resumable and shardable.
+    """Endless fixed-shape batches in an epoch-shuffled order, shardable.
 
     The global order is the concatenation of per-epoch permutations (each seeded by
     (seed, epoch)). Consumer c of P = num_shards * world_size (c = rank * num_shards + shard)
     takes global samples c, c+P, c+2P, ...: consumers never overlap, every sample is used once
     per epoch, and a batch may straddle an epoch boundary so tiny datasets still work.
+    ``skip_batches`` starts past that many of this consumer's batches (a resumed run).
     """
 
     def __init__(self, data: TokenData, batch_size: int, *, seed: int = 0, shard: int = 0,
-                 num_shards: int = 1, rank: int = 0, world_size: int = 1) -> None:
+                 num_shards: int = 1, rank: int = 0, world_size: int = 1, skip_batches: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not (0 <= shard < num_shards and 0 <= rank < world_size):
@@ -217,18 +221,10 @@ class SampleStream:
                              f"shard={shard}/{num_shards}, rank={rank}/{world_size}")
         self.data, self.batch_size, self.seed = data, batch_size, seed
         self.consumers = num_shards * world_size
-        self.consumer = rank * num_shards + shard
-        self._next = self.consumer  # global index of this consumer's next sample
+        consumer = rank * num_shards + shard
+        # global index of this consumer's next sample
+        self._next = consumer + skip_batches * batch_size * self.consumers
         self._perm_epoch, self._perm = -1, []
-
-    @property
-    def epoch(self) -> int:
-        return self._next // len(self.data)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """This consumer's batches per pass over the data (at least 1)."""
-        return max(1, len(self.data) // (self.consumers * self.batch_size))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [B,S] long, loss_mask [B,S] long)."""
@@ -240,10 +236,6 @@ class SampleStream:
         index = torch.tensor(rows)
         return self.data.ids[index].long(), self.data.loss_mask[index].long()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
-
     def _permutation(self, epoch: int) -> list[int]:
         # A list: indexing it is plain Python, not a tensor op (each op is a GIL hand-off in threads).
         if epoch != self._perm_epoch:
@@ -251,17 +243,43 @@ class SampleStream:
             self._perm_epoch, self._perm = epoch, torch.randperm(len(self.data), generator=g).tolist()
         return self._perm
 
-    def state_dict(self) -> dict[str, int]:
-        epoch, position = divmod(self._next, len(self.data))
-        return {"epoch": epoch, "position": position, "seed": self.seed,
-                "consumer": self.consumer, "consumers": self.consumers,
-                "num_samples": len(self.data)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        expected = {"seed": self.seed, "consumer": self.consumer, "consumers": self.consumers,
-                    "num_samples": len(self.data)}
-        got = {k: state.get(k) for k in expected}
-        if got != expected:
-            raise ValueError(f"data state {got} does not match this stream {expected}; resume "
-                             f"with the same data, seed, and shard/rank layout")
-        self._next = state["epoch"] * len(self.data) + state["position"]
+def anchor_seed(seed: int, rank: int, batch_index: int) -> int:
+    """The seed of global batch ``batch_index``'s anchor draws in process ``rank``: anchors depend
+    on the batch, never on which thread (or which pipeline) processes it."""
+    return (seed * 1_000_003 + rank * 10_007 + batch_index) % 2**62
+
+
+class ShardBatches:
+    """Target shard ``shard`` of ``num_shards``: this process's global batches shard, shard + T,
+    shard + 2T, ... from ``first`` on and before ``end``, each with its anchor draws.
+
+    Global batch b of a process is always the same samples and the same anchors, so a resumed run
+    (``first`` > 0) and the benchmark's sequential loop see what an uninterrupted threaded run sees.
+    """
+
+    def __init__(self, data: TokenData, batch_size: int, *, seed: int, shard: int, num_shards: int,
+                 rank: int, world_size: int, first: int, end: int) -> None:
+        self.seed, self.shard, self.num_shards, self.rank, self.end = seed, shard, num_shards, rank, end
+        self._k = max(0, math.ceil((first - shard) / num_shards))  # this shard's batches already consumed
+        self.stream = SampleStream(data, batch_size, seed=seed, shard=shard, num_shards=num_shards, rank=rank,
+                                   world_size=world_size, skip_batches=self._k)
+        self._anchor_rng = torch.Generator()
+
+    @property
+    def index(self) -> int:
+        """The global index of the next batch."""
+        return self._k * self.num_shards + self.shard
+
+    @property
+    def done(self) -> bool:
+        return self.index >= self.end
+
+    def next(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, ids [B,S], loss_mask [B,S], anchor scores [B,S]) on the host, for the next batch b."""
+        b = self.index
+        ids, loss_mask = self.stream.next_batch()
+        self._anchor_rng.manual_seed(anchor_seed(self.seed, self.rank, b))
+        scores = anchor_scores(loss_mask, self._anchor_rng)
+        self._k += 1
+        return b, ids, loss_mask, scores

@@ -23,6 +23,13 @@ def init_from_env() -> bool:
     return True
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes; (0, 1) outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def local_devices(devices: list[str]) -> list[str]:
     """With several processes on one node, each takes its share of the node's devices."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -38,7 +45,7 @@ def local_devices(devices: list[str]) -> list[str]:
 
 def shutdown(finished: bool) -> None:
     """Leave the process group. After a finished run every rank first waits for the others: a rank
-    that tore gloo down while its peer still finished its last step was seen to abort the peer
+    that tears gloo down while its peer still finishes its last step can abort the peer
     ("terminate called without an active exception"). After a failure, peers may be stuck in a
     collective, and both the barrier and the teardown could hang: the process exits with the
     group still up instead (as torchtitan does)."""

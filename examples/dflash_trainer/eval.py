@@ -7,12 +7,14 @@ accepted plus the target's own next token, and tau = mean(accepted + 1) over ste
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import json
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .target import TargetModel
+from .data import TokenData
+from .target import TargetModel, TargetSource
 
 # propose(tokens [T], context_features [T-1, n*H], block_size) -> draft tokens [block_size-1]
 Proposer = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -99,3 +101,47 @@ def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_
         # Features up to the last accepted draft token are exact (causal target, same prefix).
         context = features[0, :seq.shape[0] - 1]
     return produced
+
+
+def held_out_prompts(eval_jsonl: Optional[str], data: TokenData, count: int) -> list[torch.Tensor]:
+    """Held-out prompts: the embedded eval file, else the prompt part of the last samples."""
+    if eval_jsonl is not None:
+        with open(eval_jsonl) as f:
+            return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
+    prompts = []
+    for ids, mask in zip(data.ids[-count:], data.loss_mask[-count:]):
+        first_response = int(mask.nonzero()[0]) if mask.any() else ids.shape[0]
+        if first_response > 0:
+            prompts.append(ids[:first_response].long())
+    return prompts
+
+
+class Evaluator:
+    """Acceptance length tau of a training drafter on held-out prompts, verified by its own copy
+    of the frozen target on the drafter's device (the target stages' copies are busy)."""
+
+    def __init__(self, source: TargetSource, prompts: list[torch.Tensor], device: torch.device, *, block_size: int,
+                 max_new_tokens: int, autocast_dtype: Optional[torch.dtype]) -> None:
+        self.target = source.load(device)
+        self.device, self.prompts, self.autocast_dtype = device, prompts, autocast_dtype
+        self._args = (block_size, max_new_tokens, self.target.mask_token_id)
+        tokenizer = self.target.tokenizer
+        self._stops = [t for t in (tokenizer.eos_token_id,) if t is not None] if tokenizer is not None else []
+
+    def __call__(self, drafter: nn.Module) -> dict:
+        """{"tau", "steps", "accepted_hist"} of ``drafter``; empty without prompts."""
+        if not self.prompts:
+            return {}
+        result = self._tau(drafter)
+        return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"]}
+
+    def baselines(self, drafter: nn.Module) -> dict:
+        """tau of the untrained drafter and of repeating the last token: what training must beat."""
+        if not self.prompts:
+            return {}
+        return {"tau_random_init": self._tau(drafter)["tau"], "tau_repeat_last_token": self._tau(repeat_last_token)["tau"]}
+
+    def _tau(self, proposer: nn.Module | Proposer) -> dict:
+        dtype = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            return acceptance_length(self.target, proposer, self.prompts, *self._args, stop_token_ids=self._stops)

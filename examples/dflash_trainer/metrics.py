@@ -1,4 +1,4 @@
-"""Training metrics: a JSON-lines log and a windowed tokens/s counter.
+"""Training metrics: the training log of a run, its JSON-lines file, and per-phase step times.
 
 One JSON object per line so a crashed run still leaves every line written before
 the crash readable (each line is flushed), and ``pandas.read_json(lines=True)`` or
@@ -15,9 +15,14 @@ import os
 import statistics
 import threading
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-__all__ = ["MetricsLogger", "PhaseTimes", "Throughput", "format_phases"]
+import torch
+
+__all__ = ["LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog", "format_phases"]
+
+LOG_EVERY = 10  # drafter steps per log line and tokens/s window; the first window holds warmup
 
 _RESERVED = ("step", "time", "elapsed_s")
 
@@ -106,36 +111,68 @@ class MetricsLogger:
         self.close()
 
 
-class Throughput:
-    """Tokens counted from any thread; ``rate()`` is tokens/s over the last
-    ``window_s`` seconds (over all time while the run is younger than the window)."""
+class TrainingDiverged(FloatingPointError):
+    """The loss or gradient norm became NaN or infinite."""
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        if window_s <= 0:
-            raise ValueError(f"Throughput: window_s must be > 0, got {window_s}")
-        self.window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self.total = 0
-        # (time, cumulative tokens) marks; the first one is the baseline of the window.
-        self._marks: collections.deque[tuple[float, int]] = collections.deque([(clock(), 0)])
 
-    def add(self, tokens: int) -> None:
-        now = self._clock()
-        with self._lock:
-            self.total += int(tokens)
-            self._marks.append((now, self.total))
-            self._trim(now)
+class TrainingLog:
+    """What a run reports about its training: every ``LOG_EVERY`` steps the replica's rows of
+    [metrics..., grad_norm] are read from the device (one host sync), checked for divergence, and
+    recorded with the learning rate and the tokens/s of the window (to ``metrics`` and
+    ``progress``). Windows after the first (compilation, capture) add to the steady tokens/s."""
 
-    def rate(self) -> float:
-        now = self._clock()
-        with self._lock:
-            self._trim(now)
-            t_base, n_base = self._marks[0]
-            span = now - t_base
-            return (self.total - n_base) / span if span > 0 else 0.0
+    def __init__(self, *, metric_names: tuple[str, ...], start_step: int, tokens_per_step: int,
+                 lr_at: Callable[[int], float], base_lr: float, checkpoint_dir: Path,
+                 metrics: Optional[MetricsLogger], progress: Optional[Callable[[dict], None]]) -> None:
+        self.names = metric_names + ("grad_norm",)
+        self.tokens_per_step = tokens_per_step
+        self.lr_at, self.base_lr, self.checkpoint_dir = lr_at, base_lr, checkpoint_dir
+        self.metrics, self.progress = metrics, progress
+        self.logged = start_step  # steps already logged
+        self.last: dict = {}
+        self.losses: list[float] = []
+        self._steady_tokens, self._steady_seconds = 0, 0.0
+        self._window_start = time.perf_counter()
 
-    def _trim(self, now: float) -> None:
-        # Keep the newest mark at or before the window start as the baseline.
-        while len(self._marks) > 1 and self._marks[1][0] <= now - self.window_s:
-            self._marks.popleft()
+    def due(self, done: int) -> bool:
+        return done - self.logged >= LOG_EVERY
+
+    def flush(self, history: torch.Tensor, done: int) -> None:
+        """Log steps ``logged + 1 .. done`` from ``history`` (row i = step i + 1)."""
+        rows = history[self.logged:done].tolist()
+        now = time.perf_counter()
+        for offset, row in enumerate(rows):
+            if not all(math.isfinite(v) for v in row):
+                raise TrainingDiverged(
+                    f"step {self.logged + offset + 1}: loss or gradient norm is not finite ({dict(zip(self.names, row))}); "
+                    f"lower --lr (now {self.base_lr}) or check the data; resume from {self.checkpoint_dir} if a checkpoint exists"
+                )
+        tokens = len(rows) * self.tokens_per_step
+        tokens_per_s = tokens / max(now - self._window_start, 1e-9)
+        self.last = {"step": done, **dict(zip(self.names, rows[-1])), "lr": self.lr_at(done - 1),
+                     "tokens_per_s": tokens_per_s}
+        if self.logged >= LOG_EVERY:  # the first interval holds compilation and warmup
+            self._steady_tokens += tokens
+            self._steady_seconds += now - self._window_start
+        self.losses.extend(r[0] for r in rows)
+        self.record(self.last)
+        self.logged, self._window_start = done, now
+
+    def record(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.log(**record)
+        if self.progress is not None:
+            self.progress(record)
+
+    def restart_window(self) -> None:
+        """Leave the time since the last flush out of tokens/s (evaluation, saving)."""
+        self._window_start = time.perf_counter()
+
+    def results(self) -> dict:
+        out: dict[str, Any] = {}
+        if self.last:
+            out["last"] = self.last
+            out["losses"] = self.losses
+        if self._steady_seconds:
+            out["tokens_per_s_steady"] = self._steady_tokens / self._steady_seconds
+        return out

@@ -52,6 +52,26 @@ class OrderedInbox:
             self._turn.notify_all()
 
 
+class Handoff:
+    """The hand-off of one process: global batch b goes to drafter b % D, through that drafter's
+    OrderedInbox; a resumed run starts at the first batch of step ``first_step``."""
+
+    def __init__(self, drafters: int, *, first_step: int, capacity: int) -> None:
+        self.inboxes = [OrderedInbox(first_index=first_step * drafters + d, stride=drafters, capacity=capacity)
+                        for d in range(drafters)]
+
+    def put(self, index: int, item: Any) -> None:
+        self.inboxes[index % len(self.inboxes)].put(index, item)
+
+    def get(self, drafter: int, device: torch.device) -> Any:
+        return self.inboxes[drafter].get(device)
+
+    def fail(self, error: BaseException) -> None:
+        """Wake every worker blocked on the hand-off."""
+        for inbox in self.inboxes:
+            inbox.fail(error)
+
+
 class GradientAverager:
     """All-reduce of the flat gradient buffers (``grads.FlatGrads``) of the drafter replicas of
     this process and, with torch.distributed, over processes (only replica 0 talks to the

@@ -1,7 +1,8 @@
-"""The drafter's training step as one static-shape function (compiled with reduce-overhead on GPU).
+"""The step functions of both workers, static-shape and device-only (execution policy decides
+whether they run eager, as CUDAGraph Trees or captured whole).
 
-Inputs have fixed shapes (batch, seq_len, num_anchors), so the compiled graph is recorded once
-and replayed; there are no host syncs. It returns the loss and a small metrics vector that
+Inputs have fixed shapes (batch, seq_len, num_anchors), so a compiled graph is recorded once
+and replayed; there are no host syncs. The drafter's loss comes with a small metrics vector that
 stays on the device: [loss, weight_sum, accuracy, accuracy at k=1].
 """
 
@@ -11,8 +12,6 @@ import contextlib
 from typing import Callable
 
 import torch
-
-import threadgraph
 
 from .loss import anchors_from_scores, block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
 from .grads import FlatGrads
@@ -51,28 +50,6 @@ def make_target_step(features: Callable[[torch.Tensor], torch.Tensor], num_ancho
         return features(ids), anchors, keep
 
     return target_step
-
-
-def compile_fn(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
-    """``fn`` as a run executes it: eager, compiled with CUDAGraph Trees, or, for whole-step
-    graphs, compiled without Trees (capture_graph() around it records the kernels)."""
-    if not compiled:
-        return fn
-    if cuda_graphs == "whole-step":
-        return torch.compile(fn)
-    return torch.compile(fn, mode="reduce-overhead")
-
-
-def captures(*, compiled: bool, cuda_graphs: str) -> bool:
-    """Whether steps are captured whole (threadgraph.capture_step), optimizer included."""
-    return compiled and cuda_graphs == "whole-step"
-
-
-def capture_graph(fn: Callable, *, compiled: bool, cuda_graphs: str) -> Callable:
-    """With whole-step graphs, ``fn`` replayed as one CUDA graph per worker; else ``fn``."""
-    if captures(compiled=compiled, cuda_graphs=cuda_graphs):
-        return threadgraph.capture_step(fn)
-    return fn
 
 
 def make_forward_backward(step_fn: StepFn, grads: FlatGrads) -> Callable[..., None]:

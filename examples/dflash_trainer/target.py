@@ -6,6 +6,7 @@ Supports HF causal LMs with the Qwen3/Llama layout (`model.model.embed_tokens`,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,24 @@ class TargetModel:
     def _select(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # Index 0 of hidden_states is the embedding output, so layer i's output is i + 1.
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSource:
+    """Where the frozen target comes from and how every component loads it: the target stages,
+    the drafter replicas (for its embedding and LM head) and the evaluator."""
+
+    path: str
+    num_feature_layers: int
+    dtype: torch.dtype
+
+    def load(self, device: str | torch.device) -> TargetModel:
+        return TargetModel.from_pretrained(self.path, num_feature_layers=self.num_feature_layers,
+                                           dtype=self.dtype, device=device)
+
+    def shape(self) -> TargetModel:
+        """Config, tokenizer and mask token without the weights (TargetModel.shape_only)."""
+        return TargetModel.shape_only(self.path, num_feature_layers=self.num_feature_layers)
 
 
 def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:

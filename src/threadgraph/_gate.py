@@ -18,9 +18,9 @@ the allocator's pool state: hazard 2), so work from other threads breaks it.
 Why this cannot deadlock: an exclusive waiter waits only for shared holders. A shared holder
 only ever waits for (a) the GPU, (b) an exclusive holder (by upgrading, after dropping its own
 slots), or (c) something else while in ``released()``/backward/a Dynamo compile, where it holds
-nothing. (Dynamo compiles under one process-wide lock: workers that kept their slots while queued
-on it stalled every capture on the device behind the compiles, seen on an H200.) So no
-shared holder waits for anything that waits for it. An exclusive holder does not wait on other
+nothing. (Dynamo compiles under one process-wide lock: a worker that kept its slots while queued
+on it would stall every capture on the device behind the compiles.) So no shared holder waits
+for anything that waits for it. An exclusive holder does not wait on other
 workers (capture needs no other thread), except on the autograd device thread, which is in
 backward on behalf of a worker that holds nothing. Waits are bounded by ``timeout``; on expiry
 ``GateTimeout`` names the holders instead of hanging.

@@ -14,34 +14,18 @@ from ._worker import CompiledWorkerThread, WorkerGroup
 WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 
 
-def allow_recompiles() -> None:
-    """Every thread compiles the same code for its own model; Dynamo counts those as recompiles.
-    Dynamo config is per thread from torch 2.12 (hazard 7), so each thread calls this."""
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-        torch._dynamo.config.accumulated_recompile_limit = 4096
-
-
-def mlp(seed: int, device, width: int = WIDTH, depth: int = DEPTH, dtype=None) -> torch.nn.Module:
-    """depth x [Linear, GELU, LayerNorm]: the launch-bound model of the hazard notes, also used by
-    the GPU tests and benchmarks.
-
-    Initialised from a private generator, never torch's global one: every Dynamo compile saves
-    the global RNG state when it starts and restores it when it ends, so a compile in another
-    thread rewinds seeded global draws half-way through (hazard 12, seen on an H200 as one
-    worker in eight starting from different weights). The distribution is nn.Linear's default."""
-    allow_recompiles()
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        linear = torch.nn.Linear(width, width, device="meta")
-        bound = 1.0 / width**0.5
-        linear.weight = torch.nn.Parameter(torch.empty(width, width).uniform_(-bound, bound, generator=g))
-        linear.bias = torch.nn.Parameter(torch.empty(width).uniform_(-bound, bound, generator=g))
-        layers += [linear, torch.nn.GELU(), torch.nn.LayerNorm(width)]
-    return torch.nn.Sequential(*layers).to(device=device, dtype=dtype)
+def _model(device: str) -> torch.nn.Module:
+    """DEPTH x [Linear, GELU, LayerNorm], the same weights in every thread: they are drawn from a
+    private generator (a compile in another thread rewinds torch's global one, hazard 12)."""
+    model = torch.nn.Sequential(*[m for _ in range(DEPTH)
+                                  for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH))])
+    g = torch.Generator().manual_seed(0)
+    bound = WIDTH ** -0.5
+    with torch.no_grad():
+        for linear in model[::3]:
+            linear.weight.uniform_(-bound, bound, generator=g)
+            linear.bias.uniform_(-bound, bound, generator=g)
+    return model.to(device)
 
 
 def _data(device: str):
@@ -72,7 +56,7 @@ class _Worker(CompiledWorkerThread):
 
     def setup(self) -> None:
         self.xs, self.ys = _data("cuda")
-        model = mlp(0, "cuda")
+        model = _model("cuda")
         if self.kind == "train":
             holder: list = []
             self.out = _train(model, self.xs, self.ys, holder)
@@ -93,7 +77,7 @@ class _Worker(CompiledWorkerThread):
 
 def _reference(kind: str) -> torch.Tensor:
     xs, ys = _data("cuda")
-    model = mlp(0, "cuda")
+    model = _model("cuda")
     if kind == "train":
         holder: list = []
         losses = _train(model, xs, ys, holder)

@@ -1,0 +1,74 @@
+"""The stages drafter replica 0 runs after its optimizer step, in order and each when due: log
+the training metrics (every process), evaluate tau and save a checkpoint (process 0 only).
+
+They run on replica 0's thread because they read its weights at a step boundary: the other
+replicas wait for it at the next gradient average, so nothing changes the weights meanwhile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint import Checkpointer
+from .eval import Evaluator
+from .metrics import TrainingLog
+from .replica import DrafterReplica
+
+
+class Lead:
+    def __init__(self, log: TrainingLog, *, start_step: int, evaluator: Optional[Callable[[torch.device], Evaluator]],
+                 eval_every: int, checkpointer: Optional[Checkpointer], checkpoint_every: int) -> None:
+        self.log, self.start_step = log, start_step
+        self._make_evaluator, self.eval_every = evaluator, eval_every
+        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
+        self.evaluator: Optional[Evaluator] = None
+        self.replica: Optional[DrafterReplica] = None
+        self.baseline: Optional[dict] = None
+        self.eval: Optional[dict] = None
+
+    def setup(self, replica: DrafterReplica, device: torch.device) -> None:
+        """In replica 0's setup: the evaluator's target, and tau before training (fresh runs)."""
+        self.replica = replica
+        if self._make_evaluator is not None:
+            self.evaluator = self._make_evaluator(device)
+            if self.start_step == 0:
+                self.baseline = self.evaluator.baselines(replica.drafter)
+
+    def after_step(self, replica: DrafterReplica) -> None:
+        done = replica.step
+        last = done == replica.total_steps
+        evaluate = self.evaluator is not None and (done % self.eval_every == 0 or last)
+        save = self.checkpointer is not None and ((self.checkpoint_every and done % self.checkpoint_every == 0) or last)
+        if self.log.due(done) or last or evaluate or save:
+            self.log.flush(replica.history, done)
+        if evaluate:
+            self.eval = self.evaluator(replica.drafter)
+            self.log.record({"step": done, **{f"eval_{k}": v for k, v in self.eval.items() if k != "accepted_hist"}})
+        if save:
+            self._save(replica, done)
+        if evaluate or save:  # tokens/s counts training, not evaluation or saving
+            self.log.restart_window()
+
+    def save_on_interrupt(self) -> Optional[Path]:
+        """After Ctrl-C: checkpoint the steps replica 0 completed (its step boundary is consistent);
+        None when this process saves no checkpoints or no step completed."""
+        replica = self.replica
+        if replica is None or self.checkpointer is None or replica.step == self.start_step:
+            return None
+        return self._save(replica, replica.step)
+
+    def results(self) -> dict:
+        out = self.log.results()
+        if self.baseline is not None:
+            out["baseline"] = self.baseline
+        if self.eval is not None:
+            out["eval"] = self.eval
+        if self.checkpointer is not None and self.checkpointer.saved is not None:
+            out["checkpoint"] = str(self.checkpointer.saved)
+        return out
+
+    def _save(self, replica: DrafterReplica, step: int) -> Path:
+        return self.checkpointer.save(step, replica.drafter, replica.optimizer, replica.scheduler)

@@ -1,0 +1,34 @@
+"""How long a run is and its learning rate at each step: linear warmup, then cosine to zero."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    total_steps: int  # optimizer steps of each drafter replica
+    warmup_steps: int
+
+    @classmethod
+    def for_run(cls, config: TrainConfig, num_samples: int, world: int) -> Schedule:
+        """``--max-steps``, else ``--epochs`` passes over the data, each step taking a batch per
+        drafter replica of every process; warmup is ``--warmup-ratio`` of it (at least 1 step)."""
+        per_step = config.batch_size * config.drafters * world
+        steps = config.max_steps or max(1, num_samples // per_step) * config.epochs
+        return cls.of(steps, config.warmup_ratio)
+
+    @classmethod
+    def of(cls, total_steps: int, warmup_ratio: float) -> Schedule:
+        return cls(total_steps=total_steps, warmup_steps=max(1, round(warmup_ratio * total_steps)))
+
+    def lr_factor(self, step: int) -> float:
+        """The factor on the peak learning rate for optimizer step ``step`` (0-based); the
+        torch.optim.lr_scheduler.LambdaLR of every replica calls it."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
