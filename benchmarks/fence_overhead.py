@@ -27,22 +27,13 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+from small_model import allow_recompiles, mlp  # noqa: E402
+
 import threadgraph  # noqa: E402
 
 EAGER_PATH_PATCHES = ("fence_rng", "fence_synchronize")
-WIDTH, DEPTH, BATCH = 512, 24, 16
-
-
-def small_model(seed: int, device) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(DEPTH):
-        linear = torch.nn.Linear(WIDTH, WIDTH)
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5)
-        layers += [linear, torch.nn.GELU(), torch.nn.LayerNorm(WIDTH)]
-    return torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
 
 
 class Phase:
@@ -59,9 +50,11 @@ class StepWorker(threadgraph.CompiledWorkerThread):
         self.warm = threading.Event()
 
     def setup(self):
-        model = small_model(self.seed, self.device)
-        self.x = torch.randn(BATCH, WIDTH, device=self.device, dtype=torch.bfloat16)
-        self.y = torch.randn(BATCH, WIDTH, device=self.device, dtype=torch.bfloat16)
+        allow_recompiles()  # every worker compiles the same code for its own model
+        model = mlp(self.seed, self.device, common.WIDTH, common.DEPTH, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(100 + self.seed)
+        self.x, self.y = (torch.randn(common.BATCH, common.WIDTH, generator=g).to(self.device, torch.bfloat16)
+                          for _ in range(2))
         if self.task == "train":
             self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             self.fn = torch.compile(lambda x, y: F.mse_loss(model(x), y), mode="reduce-overhead")
