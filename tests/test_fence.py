@@ -378,3 +378,13 @@ def test_a_capture_broken_by_unordered_work_says_so(clean_patches):
     clear = _fence.explain_broken_capture(broken, "cuda:0")
     assert isinstance(clear, threadgraph.CaptureConflictError) and "restart" in str(clear)
     assert _fence.explain_broken_capture(RuntimeError("Offset increment outside graph capture"), "cuda:0") is None
+
+
+def test_a_default_cuda_device_is_seen_through_set_default_device(monkeypatch, clean_patches):
+    seen = []
+    monkeypatch.setattr(_fence, "_device_index", lambda device: seen.append(str(device)) or None)
+    threadgraph.install()
+    torch.rand(2)
+    with torch.device("meta"):  # a default device other than the CPU is a torch-function mode
+        torch.rand(2)
+    assert seen == ["cpu", "meta"]

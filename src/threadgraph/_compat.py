@@ -164,10 +164,19 @@ def import_module(module_path: str) -> ModuleType:
     return importlib.import_module(module_path)
 
 
+_CPU = torch.device("cpu")
+_mode_stack_depth = getattr(torch._C, "_len_torch_function_stack", None)
+
+
 def default_device() -> torch.device:
-    """Where factory functions put tensors when no device is given (``torch.set_default_device``, 2.3+)."""
+    """Where factory functions put tensors when no device is given (``torch.set_default_device``, 2.3+).
+
+    ``torch.get_default_device()`` costs microseconds; a default device other than the CPU is
+    always a torch-function mode on the stack, so an empty stack answers at once."""
     getter = getattr(torch, "get_default_device", None)
-    return getter() if getter is not None else torch.device("cpu")
+    if getter is None or (_mode_stack_depth is not None and _mode_stack_depth() == 0):
+        return _CPU
+    return getter()
 
 
 def _find_dynamo_compiling() -> Any:

@@ -122,7 +122,10 @@ def fenced_function(original: Callable, where: Callable[[tuple, dict], Optional[
     def fenced_call(*args: Any, **kwargs: Any) -> Any:
         if is_tracing():  # Dynamo folds this to True and traces the original, unchanged
             return original(*args, **kwargs)
-        with _fence_on(where(args, kwargs)):
+        index = where(args, kwargs)
+        if index is None:  # not CUDA work: nothing to order
+            return original(*args, **kwargs)
+        with fenced(f"cuda:{index}"):
             return original(*args, **kwargs)
 
     fenced_call.__threadgraph_original__ = original
