@@ -84,6 +84,16 @@ def test_the_zlab_config_records_the_target_layers_block_size_and_mask_token(ran
     assert sorted({k.split(".")[0] for k in weights}) == ["fc", "hidden_norm", "layers", "norm"]
 
 
+def test_bfloat16_export_halves_the_weights_and_says_so(random_run, tmp_path):
+    run, _, drafter = random_run
+    out, _ = export(run, "zlab", tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_file(str(out / "model.safetensors"))
+    assert torch.equal(weights["fc.weight"], drafter.fc.weight.detach().bfloat16())
+    with pytest.raises(ExportError, match=r"--dtype 'int8' is not one of \['float32', 'bfloat16', 'float16'\]"):
+        export(run, "zlab", tmp_path / "int8", dtype="int8")
+
+
 def test_the_speculators_config_numbers_features_by_hidden_state_index(random_run, tmp_path):
     run, target, _ = random_run
     out, _ = export(run, "speculators", tmp_path / "spec")

@@ -34,6 +34,8 @@ from .checkpoint import STATE, WEIGHTS, CheckpointError, latest_checkpoint, read
 from .model import DFlashDrafter, target_layer_ids
 
 FORMATS = ("zlab", "speculators")
+# float32 is what the trainer holds (lossless); bfloat16 halves the files.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -189,12 +191,15 @@ def write_zlab(src: Source, out: str | Path) -> Path:
     return out
 
 
-def export(checkpoint: str | Path, fmt: str, out: str | Path,
-           target: str | Path | None = None) -> tuple[Path, list[str]]:
-    """Write `checkpoint` as `fmt` under `out`; returns (out, warnings)."""
+def export(checkpoint: str | Path, fmt: str, out: str | Path, target: str | Path | None = None,
+           dtype: str = "float32") -> tuple[Path, list[str]]:
+    """Write `checkpoint` as `fmt` under `out`, weights in `dtype`; returns (out, warnings)."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {list(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not one of {list(DTYPES)}")
     src = read_source(checkpoint, target)
+    src.weights = {k: v.to(DTYPES[dtype]) for k, v in src.weights.items()}
     warnings = [w for w in (last_layer_warning(src),) if w]
     if fmt == "zlab":
         return write_zlab(src, out), warnings
@@ -253,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None,
                         help="the target model directory, when the one saved in the checkpoint's "
                              "run config does not exist here")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="weight dtype of the export (default: float32, as trained)")
     args = parser.parse_args(argv)
     try:
-        out, warnings = export(args.checkpoint, args.format, args.out, args.target)
-    except (ExportError, CheckpointError, FileNotFoundError) as err:
+        out, warnings = export(args.checkpoint, args.format, args.out, args.target, args.dtype)
+    except (ValueError, CheckpointError, FileNotFoundError) as err:  # ExportError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     for warning in warnings:
