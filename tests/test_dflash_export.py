@@ -165,3 +165,17 @@ def test_bad_paths_get_one_clear_error(random_run, tmp_path):
     with pytest.raises(ExportError, match=r"config.json is not a z-lab DFlash config"):
         target = make_random_target(tmp_path / "t2", layers=4)
         load_zlab_drafter(target, None, None)
+
+
+def test_the_module_entry_point_exports(random_run, tmp_path):
+    import subprocess
+    import sys
+
+    run, _, _ = random_run
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer.export", "--checkpoint",
+                           str(run / "checkpoints" / "step_00000007"), "--format", "speculators",
+                           "--out", str(tmp_path / "spec")], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote speculators drafter to {tmp_path / 'spec'}" in proc.stdout
+    assert {p.name for p in (tmp_path / "spec").iterdir()} == {"config.json", "model.safetensors"}
