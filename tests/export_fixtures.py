@@ -44,7 +44,7 @@ def make_random_target(out: Path, *, layers: int = 8, hidden: int = 64, heads: i
 
 
 def load_heads(target_dir: Path):
-    """The target's frozen embed_tokens and lm_head, in float32 on the CPU."""
+    """The target in float32 on the CPU; its embed_tokens and lm_head are the drafter's frozen heads."""
     from examples.dflash_trainer.target import TargetModel
 
     target = TargetModel.from_pretrained(target_dir, num_feature_layers=1, dtype=torch.float32)
