@@ -1,0 +1,181 @@
+"""CPU tests of the DFlash export (examples/dflash_trainer/export.py): the round trip through the
+z-lab format continues training with the same losses, the configs record the run's facts, and
+every refusal says what is wrong and what to do. The comparison against the reference
+implementation is tests/test_dflash_export_reference.py (own venv)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from export_fixtures import load_heads, make_checkpoint, make_random_target
+
+from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.checkpoint import WEIGHTS
+from examples.dflash_trainer.config import TrainConfig
+from examples.dflash_trainer.export import ExportError, export, load_zlab_drafter, main
+from examples.dflash_trainer.train import train
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
+
+
+@pytest.fixture(scope="module")
+def random_run(tmp_path_factory):
+    """A checkpoint of a drafter for an 8-layer random Qwen3 target: (run dir, target, drafter)."""
+    root = tmp_path_factory.mktemp("random")
+    target = make_random_target(root / "target")
+    _, drafter = make_checkpoint(root / "run" / "checkpoints", target, saved_target=str(target), n=3)
+    return root / "run", target, drafter
+
+
+def tiny_config(assets, out_dir, **overrides):
+    values = dict(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
+                  block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
+                  max_steps=10, eval_every=0, checkpoint_every=0, out_dir=str(out_dir), lr=3e-3)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_assets, tmp_path):
+    full = train(tiny_config(tiny_assets, tmp_path / "full"))["losses"]
+    split = tmp_path / "split"
+    train(tiny_config(tiny_assets, split, checkpoint_every=4))
+    (split / "checkpoints" / "latest").write_text("step_00000004\n")  # as if killed after step 4
+    out, warnings = export(split, "zlab", tmp_path / "zlab")
+    assert len(warnings) == 1 and "include the target's last layer (1)" in warnings[0]  # tiny target: 2 layers
+    # Replace the checkpoint's weights by the exported drafter, loaded back into the project's.
+    step_dir = split / "checkpoints" / "step_00000004"
+    original = load_file(str(step_dir / WEIGHTS))
+    target = load_heads(tiny_assets.target_dir)
+    drafter = load_zlab_drafter(out, target.embed_tokens, target.lm_head)
+    (step_dir / WEIGHTS).unlink()
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(step_dir / WEIGHTS),
+              metadata={"step": "4", "arch": json.dumps(drafter.arch)})
+    assert set(load_file(str(step_dir / WEIGHTS))) == set(original)
+    resumed = train(tiny_config(tiny_assets, split, checkpoint_every=4, resume=True))
+    assert resumed["start_step"] == 4
+    print(f"\nround trip: uninterrupted steps 5-10 {full[4:]}\n            exported+reloaded   {resumed['losses']}")
+    assert resumed["losses"] == full[4:]
+
+
+def test_the_zlab_config_records_the_target_layers_block_size_and_mask_token(random_run, tmp_path):
+    run, target, drafter = random_run
+    out, warnings = export(run, "zlab", tmp_path / "zlab")
+    cfg = json.loads((out / "config.json").read_text())
+    assert warnings == []
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 8
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 5]  # round(1 + i*(8-4)/2)
+    assert cfg["dflash_config"]["mask_token_id"] == 120  # first row past the 120-token tokenizer
+    assert cfg["vocab_size"] == 160 and cfg["num_hidden_layers"] == 2 and cfg["head_dim"] == 16
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    assert cfg["layer_types"] == ["full_attention"] * 2
+    weights = load_file(str(out / "model.safetensors"))
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(weights[name], value), name
+    assert sorted({k.split(".")[0] for k in weights}) == ["fc", "hidden_norm", "layers", "norm"]
+
+
+def test_bfloat16_export_halves_the_weights_and_says_so(random_run, tmp_path):
+    run, _, drafter = random_run
+    out, _ = export(run, "zlab", tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_file(str(out / "model.safetensors"))
+    assert torch.equal(weights["fc.weight"], drafter.fc.weight.detach().bfloat16())
+    with pytest.raises(ExportError, match=r"--dtype 'int8' is not one of \['float32', 'bfloat16', 'float16'\]"):
+        export(run, "zlab", tmp_path / "int8", dtype="int8")
+
+
+def test_the_speculators_config_numbers_features_by_hidden_state_index(random_run, tmp_path):
+    run, target, _ = random_run
+    out, _ = export(run, "speculators", tmp_path / "spec")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == [2, 4, 6]
+    assert cfg["mask_token_id"] == 120 and cfg["block_size"] == 8 and cfg["sample_from_anchor"] is False
+    assert cfg["draft_vocab_size"] == 160 == cfg["transformer_layer_config"]["vocab_size"]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": str(target),
+                                                     "architectures": ["Qwen3ForCausalLM"]}
+
+
+def test_a_target_with_rope_scaling_exports_the_plain_rope_the_drafter_uses(tmp_path):
+    target = make_random_target(tmp_path / "target", layers=6)
+    cfg_file = target / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    cfg_file.write_text(json.dumps(cfg))
+    make_checkpoint(tmp_path / "run", target, saved_target=str(target), n=2)
+    out, _ = export(tmp_path / "run", "zlab", tmp_path / "zlab")
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+
+
+def test_speculators_refuses_a_feature_from_the_targets_last_layer(tiny_assets, tmp_path):
+    make_checkpoint(tmp_path / "run", tiny_assets.target_dir, saved_target=str(tiny_assets.target_dir),
+                    num_layers=1, n=1)
+    with pytest.raises(ExportError, match=r"--format speculators cannot express this drafter: its "
+                                          r"target_layer_ids \[1\] include the last layer \(1\).*use --format zlab"):
+        export(tmp_path / "run", "speculators", tmp_path / "spec")
+    assert not (tmp_path / "spec").exists()  # nothing half-written
+
+
+def test_a_target_moved_away_needs_target_flag(random_run, tmp_path, capsys):
+    run, target, _ = random_run
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(run, tmp_path / "run")
+    shutil.copytree(target, moved)
+    cfg_state = tmp_path / "run"
+    # the saved config names `target`; pretend this machine does not have it
+    real = target.rename(target.with_name("hidden"))
+    try:
+        assert main(["--checkpoint", str(cfg_state), "--format", "zlab", "--out", str(tmp_path / "a")]) == 2
+        err = capsys.readouterr().err
+        assert f"the run trained against target {target}, which is not a model directory here; pass --target DIR" in err
+        assert main(["--checkpoint", str(cfg_state), "--format", "zlab", "--out", str(tmp_path / "b"),
+                     "--target", str(moved)]) == 0
+        assert "wrote zlab drafter to" in capsys.readouterr().out
+    finally:
+        real.rename(target)
+
+
+def test_a_target_of_another_width_is_refused(random_run, tmp_path):
+    run, _, _ = random_run
+    other = make_random_target(tmp_path / "wide", hidden=96)
+    with pytest.raises(ExportError, match=r"has hidden_size=96 but the drafter .* has 64; pass --target the model"):
+        export(run, "zlab", tmp_path / "out", target=other)
+
+
+def test_bad_paths_get_one_clear_error(random_run, tmp_path):
+    run, _, _ = random_run
+    with pytest.raises(ExportError, match=r"--checkpoint .*nowhere: no model.safetensors there and no 'latest'"):
+        export(tmp_path / "nowhere", "zlab", tmp_path / "out")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ExportError, match=r"--out .*full exists and is not empty; choose a new directory"):
+        export(run, "zlab", tmp_path / "full")
+    with pytest.raises(ExportError, match=r"--format 'gguf' is not one of \['zlab', 'speculators'\]"):
+        export(run, "gguf", tmp_path / "out")
+    with pytest.raises(ExportError, match=r"config.json is not a z-lab DFlash config"):
+        target = make_random_target(tmp_path / "t2", layers=4)
+        load_zlab_drafter(target, None, None)
+
+
+def test_the_module_entry_point_exports(random_run, tmp_path):
+    import subprocess
+    import sys
+
+    run, _, _ = random_run
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer.export", "--checkpoint",
+                           str(run / "checkpoints" / "step_00000007"), "--format", "speculators",
+                           "--out", str(tmp_path / "spec")], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote speculators drafter to {tmp_path / 'spec'}" in proc.stdout
+    assert {p.name for p in (tmp_path / "spec").iterdir()} == {"config.json", "model.safetensors"}
