@@ -5,7 +5,7 @@
 Every scenario prints one JSON object (and writes it to --out): what ran, what was compared,
 per-worker step times. ``tests/test_gpu.py`` runs them in subprocesses and asserts on the
 results; run directly they double as measurements. Model: 24 x [Linear 512, GELU, LayerNorm],
-batch 16 (the figures in torch-threading-hazards.md), float32 so results compare tightly.
+batch 16 (the launch-bound model of the H200 measurements), float32 so results compare tightly.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def _steady_seconds(workers):
 
 def many(args):
     """N training workers on one GPU vs each alone, and vs the same workers in eager threads.
-    ``--variant unpatched`` leaves the generation patches out (hazard 1 shows)."""
+    ``--variant unpatched`` leaves the generation patches out (hazard global-generation shows)."""
     if args.variant == "unpatched":
         threadgraph.install(exclude=threadgraph._patches.GENERATION_PATCHES)
     n, steps = args.workers, args.steps

@@ -26,12 +26,15 @@ class PatchWrapper(wrapt.FunctionWrapper):
 class Patch:
     name: str
     target: str  # "module.path:Owner.attribute" or "module.path:attribute"
-    hazard: str
-    releases: str  # torch releases checked / affected
+    hazard: str  # a name from the hazard catalogue (``_hazards.HAZARDS``)
+    releases: str  # torch releases it applies to
     removable_when: str
-    upstream: str
+    upstream: str  # verified upstream issues / pull requests, or "none known"
     wrapper: Callable[..., Any]
     applies: Callable[[], bool] = lambda: True
+    read: str = "not recorded"  # releases whose source of the target was read
+    run: str = "not recorded"  # releases the tests ran on (CPU, GPU with the machine)
+    changes: str = "not recorded"  # what changed in the target between those releases
 
     def owner_and_attribute(self) -> tuple[Any, str]:
         module_path, _, qualname = self.target.partition(":")
@@ -82,10 +85,6 @@ class Registry:
                 log.debug("threadgraph: restored %s", self._patches[name].target)
         return removed
 
-    def is_active(self, name: str) -> bool:
-        with self._lock:
-            return name in self._originals
-
     def describe(self) -> list[dict[str, Any]]:
         with self._lock:
             return [
@@ -96,6 +95,9 @@ class Registry:
                     "releases": p.releases,
                     "removable_when": p.removable_when,
                     "upstream": p.upstream,
+                    "read": p.read,
+                    "run": p.run,
+                    "changes": p.changes,
                     "applies": p.applies(),
                     "active": p.name in self._originals,
                 }

@@ -16,7 +16,7 @@ WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 
 def allow_recompiles() -> None:
     """Every thread compiles the same code for its own model; Dynamo counts those as recompiles.
-    Dynamo config is per thread from torch 2.12 (hazard 7), so each thread calls this."""
+    Dynamo config is per thread from torch 2.12 (hazard per-thread-config), so each thread calls this."""
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
@@ -25,12 +25,12 @@ def allow_recompiles() -> None:
 
 
 def mlp(seed: int, device, width: int = WIDTH, depth: int = DEPTH, dtype=None) -> torch.nn.Module:
-    """depth x [Linear, GELU, LayerNorm]: the launch-bound model of the hazard notes, also used by
+    """depth x [Linear, GELU, LayerNorm]: the launch-bound model of the H200 measurements, also used by
     the GPU tests and benchmarks.
 
     Initialised from a private generator, never torch's global one: every Dynamo compile saves
     the global RNG state when it starts and restores it when it ends, so a compile in another
-    thread rewinds seeded global draws half-way through (hazard 12, seen on an H200 as one
+    thread rewinds seeded global draws half-way through (hazard global-rng-rewind, seen on an H200 as one
     worker in eight starting from different weights). The distribution is nn.Linear's default."""
     allow_recompiles()
     g = torch.Generator().manual_seed(seed)
