@@ -105,6 +105,13 @@ def fx_tracing_flag_is_global() -> bool:
     return isinstance(vars(fx).get("_is_fx_tracing_flag"), bool)
 
 
+def fx_patcher_is_global() -> bool:
+    """Whether FX keeps the active tracing patcher (which patches ``nn.Module.__call__`` for every
+    thread) in the module global ``CURRENT_PATCHER`` rather than per thread."""
+    fx = importlib.import_module("torch.fx._symbolic_trace")
+    return "CURRENT_PATCHER" in vars(fx)
+
+
 def generation_counters_are_global() -> bool:
     """Whether CUDAGraph Trees' generation counters are plain attributes of process-wide objects:
     ``MarkStepBox.mark_step_counter`` (a class attribute) and ``GenerationTracker.generation``

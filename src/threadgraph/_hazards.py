@@ -15,7 +15,8 @@ from typing import Callable, Optional
 from . import _compat
 
 # The releases this catalogue was checked against; what each patch saw is in its own record.
-READ = "2.13.0, 2.14.1, 2.15.0 (source)"
+READ_RELEASES = "2.13.0, 2.14.1, 2.15.0"
+READ = f"{READ_RELEASES} (source)"
 RUN_CPU = "2.13.0, 2.14.1, 2.15.0 (CPU test suite)"
 RUN_GPU = "2.11.0 (GPU tests and benchmarks, NVIDIA H200)"
 SIMULATED = "2.1 - 2.12 by simulation only (CPU tests swap in the older behaviour), except 2.11 on the GPU"
@@ -176,6 +177,20 @@ HAZARDS: tuple[Hazard, ...] = (
         _compat.fx_tracing_flag_is_global,
     ),
     Hazard(
+        "global-fx-patcher",
+        "FX symbolic tracing patches `nn.Module.__call__` and `__getattr__` process-wide and keeps the "
+        "active patcher in a module global (`CURRENT_PATCHER`): a module another thread calls during a "
+        "trace can enter the tracer, and Dynamo's `_maybe_revert_all_patches` in another thread's "
+        "compile can remove the trace's patches, silently changing its graph.",
+        "detected: `torch.fx._symbolic_trace.CURRENT_PATCHER` is a module global",
+        "2.1 - 2.15.0",
+        f"{READ}; not reproduced here",
+        (_gh(187589, "pull"), _gh(126024)),
+        "None: keep plain `torch.fx.symbolic_trace` out of the time worker threads compile or call "
+        "modules (compiles inside workers are ordered by Dynamo's lock, a plain trace is not).",
+        _compat.fx_patcher_is_global,
+    ),
+    Hazard(
         "global-rng-rewind",
         "Every Dynamo compile saves the global RNG state when it starts and restores it when it ends, "
         "so a compile in one thread rewinds seeded draws another thread made meanwhile.",
@@ -242,7 +257,7 @@ def markdown() -> str:
         "by `python -m threadgraph hazards --write docs/hazards.md`; edit those, not this page.",
         "`python -m threadgraph doctor` says which hazards the installed torch has.",
         "",
-        "Releases: source read " + READ + "; run: " + RUN_CPU + ", " + RUN_GPU + "; " + SIMULATED + ".",
+        f"Source read: {READ_RELEASES}. Run: {RUN_CPU}; {RUN_GPU}. {SIMULATED}.",
         "",
         "| hazard | how it is known | patches |",
         "|---|---|---|",
@@ -259,7 +274,7 @@ def markdown() -> str:
             "",
             hazard.summary,
             "",
-            f"- Detection: {hazard.detection}.",
+            f"- How it is known: {hazard.detection}.",
             f"- Affected releases: {hazard.affected}.",
             f"- Verified: {hazard.verified}.",
             f"- Upstream: {upstream}.",
