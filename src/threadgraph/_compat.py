@@ -135,10 +135,10 @@ def unpatched_generation_reads() -> list[str] | None:
     :data:`GENERATION_READERS` (whose answers the generation patches replace). ``[]`` means
     the patches see every read; ``None`` means the source cannot be read here.
 
-    2.14 added a generation snapshot (``curr_generation``) that ``run`` takes once and passes
+    The generation snapshot (``curr_generation``) that 2.14+ takes once per call and passes
     down (``try_end_curr_execution``, ``can_start_new_generation``,
-    ``in_new_torch_compile_invocation``); it is taken with ``self.get_curr_generation()``, so it
-    is the worker's. A release that read the counters elsewhere would show up here."""
+    ``in_new_torch_compile_invocation``) is taken with ``self.get_curr_generation()``, so it is
+    the worker's; a release that read the counters anywhere else would be listed here."""
     manager = require("torch._inductor.cudagraph_trees", "CUDAGraphTreeManager")
     readers = []
     for name, member in vars(manager).items():
@@ -166,10 +166,10 @@ def generation_snapshot_parameter() -> bool:
 
 def dynamo_fx_tracing_check() -> str | None:
     """The predicate Dynamo asks before running a compiled function: ``is_fx_symbolic_tracing``
-    where it exists, else ``is_fx_tracing``. Both read one process-global flag that
-    ``Tracer.trace`` sets; where that flag is one module-global bool, a compile (make_fx) in
-    one thread makes compiled calls in another raise "Detected that you are using FX to
-    symbolically trace a dynamo-optimized function" (where the flag is process-global: see :func:`fx_tracing_flag_is_global`)."""
+    where it exists, else ``is_fx_tracing``. Both read the flag ``Tracer.trace`` sets; where that
+    flag is process-global (:func:`fx_tracing_flag_is_global`), a compile (make_fx) in one thread
+    makes compiled calls in another raise "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function"."""
     fx = importlib.import_module("torch.fx._symbolic_trace")
     for name in ("is_fx_symbolic_tracing", "is_fx_tracing"):
         if hasattr(fx, name) and hasattr(fx, "Tracer"):
