@@ -172,7 +172,7 @@ HAZARDS: tuple[Hazard, ...] = (
         "(2.14+ keeps it in `_is_fx_tracing_tls`)",
         "2.1 - 2.13",
         f"2.11.0 (seen in the DFlash trainer on an H200), 2.13.0 (CPU test); 2.14.1, 2.15.0: absent",
-        (_gh(126024), _gh(168999, "pull"), _gh(187589, "pull")),
+        (_gh(126024), _gh(168999, "pull")),
         "",
         _compat.fx_tracing_flag_is_global,
     ),
@@ -294,6 +294,6 @@ def markdown() -> str:
             f"- Upstream: {patch.upstream}.",
             f"- Read: {patch.read}.",
             f"- Run: {patch.run}.",
-            f"- What changed between them: {patch.changes}",
+            f"- What changed between them: {patch.changes.rstrip('.')}.",
         ]
     return "\n".join(lines) + "\n"
