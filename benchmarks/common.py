@@ -41,7 +41,7 @@ for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled thr
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-WIDTH, DEPTH, BATCH = 512, 24, 16  # the launch-bound model of torch-threading-hazards.md section 3
+WIDTH, DEPTH, BATCH = 512, 24, 16  # the launch-bound model of the H200 measurements
 CPU_WIDTH, CPU_DEPTH = 128, 6  # CPU reduced form
 
 

@@ -9,7 +9,7 @@ import torch
 def allow_recompiles() -> None:
     """Every thread compiles the same code for its own model, and Dynamo counts those compiles as
     recompiles of one function: raise its limits. Dynamo config is per thread from torch 2.12
-    (hazard 7), so call this in every thread that compiles, before it compiles."""
+    (hazard per-thread-config), so call this in every thread that compiles, before it compiles."""
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
@@ -22,7 +22,7 @@ def mlp(seed: int, device, width: int, depth: int, dtype=None) -> torch.nn.Modul
 
     Initialised from a private generator, never torch's global one: every Dynamo compile saves
     the global RNG state when it starts and restores it when it ends, so a compile in another
-    thread rewinds seeded global draws half-way through (hazard 12)."""
+    thread rewinds seeded global draws half-way through (hazard global-rng-rewind)."""
     g = torch.Generator().manual_seed(seed)
     layers = []
     for _ in range(depth):

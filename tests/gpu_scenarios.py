@@ -153,7 +153,7 @@ def generation(args):
 
 def many(args):
     """N training workers on one GPU vs each alone, and vs the same workers in eager threads.
-    ``--variant unpatched`` leaves the generation patches out (hazard 1 shows)."""
+    ``--variant unpatched`` leaves the generation patches out (hazard global-generation shows)."""
     if args.variant == "unpatched":
         threadgraph.install(exclude=threadgraph._patches.GENERATION_PATCHES)
     n, steps = args.workers, args.steps

@@ -1,6 +1,6 @@
 """What the GPU scenarios run: the MLP training and inference workers, their references, and
-how results are compared. Model: 24 x [Linear 512, GELU, LayerNorm], batch 16 (the figures in
-torch-threading-hazards.md), float32 so results compare tightly."""
+how results are compared. Model: 24 x [Linear 512, GELU, LayerNorm], batch 16 (the
+launch-bound model of the H200 measurements), float32 so results compare tightly."""
 
 from __future__ import annotations
 

@@ -153,7 +153,10 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
             "--data", str(tiny_assets.train_jsonl), "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4",
             "--batch-size", "2", "--num-draft-layers", "1", "--num-target-layers-used", "1", "--max-steps", "100000",
             "--eval-every", "0", "--checkpoint-every", "0", "--out-dir", str(tmp_path)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background commands with SIGINT ignored, and an ignored
+    # SIGINT is inherited: the trainer would never see the Ctrl-C. Give it the default disposition.
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -17,7 +17,12 @@ def test_doctor_reports_versions_hazards_and_patches():
     assert info["torch"] == torch.__version__
     names = {p["name"] for p in info["patches"]}
     assert {"lazy_tls", "worker_generation", "worker_cudagraphify", "gate_record"} <= names
-    assert any("tls_assert" in h for h in info["hazards"])
+    hazards = {h["name"]: h for h in info["hazards"]}
+    assert hazards["tls-assert"]["status"] in {"present", "absent"}  # detected, not assumed
+    assert hazards["device-wide-capture"]["status"] == "assumed"
+    assert hazards["global-generation"]["patches"] == [
+        "worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump"]
+    assert info["newer_than_verified"] is False
 
 
 def test_doctor_text_output_names_every_patch():
@@ -35,3 +40,28 @@ def test_selftest_without_gpu_says_so_and_exits_2():
 
 def test_selftest_flag_is_documented():
     assert "--selftest" in doctor("--help").stdout
+
+
+def test_doctor_warns_once_on_a_torch_newer_than_the_newest_verified(monkeypatch):
+    from threadgraph import _compat
+    from threadgraph._doctor import format_report, report
+
+    monkeypatch.setattr(torch, "__version__", "2.16.0.dev20270101+cu140")
+    info = report()
+    assert info["newer_than_verified"] is True
+    warnings = [line for line in format_report(info).splitlines() if "newer than the newest release" in line]
+    assert warnings == [
+        "warning: torch 2.16.0.dev20270101+cu140 is newer than the newest release threadgraph was verified on "
+        f"({'.'.join(map(str, _compat.NEWEST_VERIFIED))}); its patches may miss changed code: run the test suite"
+    ]
+
+
+@pytest.mark.parametrize("version, newer", [
+    ("2.15.0+cu132", False), ("2.15.0", False), ("2.13.0+cpu", False), ("2.15.1", True),
+    ("2.16.0a0+git1234", True), ("3.0.0", True), ("2.1.2", False),
+])
+def test_newer_than_verified_compares_the_release_numbers(version, newer):
+    from threadgraph import _compat
+
+    assert _compat.NEWEST_VERIFIED == (2, 15, 0)
+    assert _compat.newer_than_verified(version) is newer

@@ -1,7 +1,9 @@
-"""Hazard 11: FX's tracing flag is process-global. While one thread traces (torch.fx, or make_fx
-inside a compile), a compiled function called in another thread raises "Detected that you are
-using FX to symbolically trace a dynamo-optimized function" (seen on an H200, torch 2.11, in the
-DFlash trainer). The per-thread patches keep each thread's answer to its own tracing."""
+"""Hazard global-fx-tracing-flag: where FX's tracing flag is one module-global bool (up to 2.13),
+a compiled function called in one thread while another traces (torch.fx, or make_fx inside a
+compile) raises "Detected that you are using FX to symbolically trace a dynamo-optimized
+function" (seen on an H200, torch 2.11, in the DFlash trainer); the per-thread patches keep each
+thread's answer to its own tracing. Where the flag is per thread (2.14+), the patches are not
+applied, doctor reports the hazard absent, and the call runs without them."""
 
 import threading
 
@@ -9,9 +11,10 @@ import pytest
 import torch
 
 import threadgraph
-from threadgraph import _patches
+from threadgraph import _compat, _hazards, _patches
 
 FX_PATCHES = frozenset({"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread", "fx_tracing_per_thread"})
+GLOBAL_FLAG = _compat.fx_tracing_flag_is_global()
 
 
 class _SlowTraced(torch.nn.Module):
@@ -57,20 +60,41 @@ def clean_shim():
     torch._dynamo.reset()
 
 
-def test_without_the_patch_a_compiled_call_raises_while_another_thread_traces(clean_shim):
+def test_without_the_fx_patches_a_compiled_call_fails_exactly_where_the_flag_is_global(clean_shim):
     threadgraph.install(exclude=FX_PATCHES)
     outcome = _compiled_call_while_another_thread_traces()
-    assert "symbolically trace a dynamo-optimized function" in outcome, outcome
+    if GLOBAL_FLAG:  # the hazard: the other thread's trace is seen in this one
+        assert "symbolically trace a dynamo-optimized function" in outcome, outcome
+    else:
+        assert outcome == "ran"
 
 
-def test_with_the_patch_the_compiled_call_runs(clean_shim):
-    threadgraph.install()
-    assert {"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread"} <= {p["name"] for p in threadgraph.patches() if p["active"]}
+def test_install_patches_a_global_flag_and_leaves_a_per_thread_one_alone(clean_shim):
+    applied = set(threadgraph.install())
+    active = {p["name"] for p in threadgraph.patches() if p["active"]}
+    if GLOBAL_FLAG:
+        assert {"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread"} <= applied & active
+    else:
+        assert not FX_PATCHES & (applied | active)
     assert _compiled_call_while_another_thread_traces() == "ran"
 
 
-def test_tracing_is_still_seen_in_the_tracing_thread(clean_shim):
+def test_doctor_says_whether_the_hazard_is_present_and_which_fx_patches_are_needed(clean_shim):
+    from threadgraph._doctor import format_report, report
+
+    hazard = _hazards.get("global-fx-tracing-flag")
+    assert hazard.status() == ("present" if GLOBAL_FLAG else "absent")
+    text = format_report(report()).splitlines()
+    assert f"  {'[x]' if GLOBAL_FLAG else '[ ]'} global-fx-tracing-flag" in "\n".join(text)
+    states = {line.split()[0]: line.split()[1] for line in text if line.split() and line.split()[0] in FX_PATCHES}
+    assert states["fx_trace_marks_thread"] == ("applies" if GLOBAL_FLAG else "not")
+    assert states["fx_tracing_per_thread"] == "not"  # every release read has is_fx_symbolic_tracing
+
+
+def test_tracing_is_still_seen_in_the_tracing_thread(clean_shim, monkeypatch):
+    monkeypatch.setattr(_compat, "fx_tracing_flag_is_global", lambda: True)  # patched on every torch
     threadgraph.install()
+    assert "fx_symbolic_tracing_per_thread" in {p["name"] for p in threadgraph.patches() if p["active"]}
     seen = {}
 
     class Probe(torch.nn.Module):
@@ -83,12 +107,22 @@ def test_tracing_is_still_seen_in_the_tracing_thread(clean_shim):
     assert torch.fx._symbolic_trace.is_fx_symbolic_tracing() is False
 
 
-def test_uninstall_restores_the_fx_functions(clean_shim):
+def test_uninstall_restores_the_fx_functions(clean_shim, monkeypatch):
     import torch.fx._symbolic_trace as fx
 
+    monkeypatch.setattr(_compat, "fx_tracing_flag_is_global", lambda: True)  # patched on every torch
     originals = (vars(fx.Tracer)["trace"], fx.is_fx_symbolic_tracing)
     threadgraph.install()
     assert fx.is_fx_symbolic_tracing is not originals[1]
     threadgraph.uninstall()
-    assert (vars(fx.Tracer)["trace"], fx.is_fx_symbolic_tracing) == originals
+    assert vars(fx.Tracer)["trace"] is originals[0] and fx.is_fx_symbolic_tracing is originals[1]
     assert _patches.patches()  # still described when inactive
+
+
+def test_the_flag_probe_reads_the_module_global_that_tracer_trace_sets(monkeypatch):
+    import torch.fx._symbolic_trace as fx
+
+    monkeypatch.setattr(fx, "_is_fx_tracing_flag", False, raising=False)
+    assert _compat.fx_tracing_flag_is_global()
+    monkeypatch.delattr(fx, "_is_fx_tracing_flag")
+    assert not _compat.fx_tracing_flag_is_global()

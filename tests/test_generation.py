@@ -54,20 +54,21 @@ class Executor:
 
 
 class ManagerFields:
-    """The generation fields of one tree manager; static lookups go to the (patched) class."""
+    """The generation fields of one tree manager. Every other attribute is upstream's own method,
+    bound through the (patched) class at lookup time, so the stand-in calls whatever this torch's
+    generation code calls, with the arguments it passes (2.14 added a ``curr_generation``
+    snapshot that ``can_start_new_generation`` hands to ``in_new_torch_compile_invocation``)."""
 
     def __init__(self):
         self.current_gen = -1
         self.running_forwards_with_pending_backwards = False
 
-    def get_curr_generation(self):
-        return Manager.get_curr_generation()
-
-    def user_invoked_mark_step(self):
-        return Manager.user_invoked_mark_step()
-
-    def in_new_torch_compile_invocation(self):
-        return Manager.in_new_torch_compile_invocation(self)
+    def __getattr__(self, name):
+        try:
+            descriptor = vars(Manager)[name]
+        except KeyError:
+            raise AttributeError(f"the stand-in has no {name!r}, and CUDAGraphTreeManager defines none") from None
+        return descriptor.__get__(self, Manager)
 
 
 def _new_manager_fields():
@@ -75,7 +76,15 @@ def _new_manager_fields():
 
 
 def _observe(manager):
-    return (Manager.in_new_torch_compile_invocation(manager), Manager.can_start_new_generation(manager))
+    seen = (Manager.in_new_torch_compile_invocation(manager), Manager.can_start_new_generation(manager))
+    if _compat.generation_snapshot_parameter():
+        # The snapshot ``run`` takes once and passes down must say the same as asking again.
+        snapshot = manager.get_curr_generation()
+        assert seen == (
+            Manager.in_new_torch_compile_invocation(manager, snapshot),
+            Manager.can_start_new_generation(manager, snapshot),
+        )
+    return seen
 
 
 def run_schedule(schedule, n_workers):
@@ -132,7 +141,7 @@ def test_each_worker_sees_the_generations_it_would_see_alone(clean_patches, case
 
 
 def test_without_the_patch_another_threads_mark_step_ends_a_generation(clean_patches):
-    # Upstream behaviour (documents hazard 1): B's mark step makes A's pending backward start a
+    # Upstream behaviour (hazard global-generation): B's mark step makes A's pending backward start a
     # new generation, which frees A's live outputs.
     schedule = [(0, "fwd"), (1, "mark"), (0, "bwd")]
     unpatched = run_schedule(schedule, 2)[0]
@@ -149,3 +158,19 @@ def test_without_the_patch_another_threads_compiled_call_ends_a_generation(clean
     patched = run_schedule(schedule, 2)[0]
     assert unpatched != patched
     assert patched == run_schedule([(0, "mark"), (0, "fwd"), (0, "fwd")], 1)[0]
+
+
+def test_the_counters_are_global_and_every_manager_read_goes_through_the_patched_readers():
+    # What makes the generation patches both needed and sufficient on this torch.
+    assert _compat.generation_counters_are_global()
+    assert _compat.unpatched_generation_reads() == []
+
+
+def test_a_manager_method_reading_a_counter_directly_is_found_and_install_warns(clean_patches, monkeypatch):
+    def sneaky_generation(self):
+        return trees.MarkStepBox.mark_step_counter or torch._dynamo.mutation_guard.GenerationTracker.generation
+
+    monkeypatch.setattr(Manager, "sneaky_generation", sneaky_generation, raising=False)
+    assert _compat.unpatched_generation_reads() == ["sneaky_generation"]
+    with pytest.warns(threadgraph.ThreadgraphWarning, match="reads the global generation counters in sneaky_generation"):
+        threadgraph.install()

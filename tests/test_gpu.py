@@ -75,7 +75,7 @@ def test_generation_scenario_without_the_patch_ends_As_generation():
 
 
 def test_training_workers_without_the_generation_patch_corrupt_or_raise():
-    # The measured failure of torch-threading-hazards.md (hazard 1), with every other measure on.
+    # The measured failure of hazard global-generation (docs/hazards.md), with every other measure on.
     proc_result = None
     try:
         proc_result = scenario("many", "--workers", 3, "--steps", STEPS, "--variant", "unpatched")

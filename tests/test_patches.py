@@ -115,10 +115,20 @@ def test_shim_restores_function_on_simulated_old_torch(old_torch):
         _container_in_fresh_thread()
 
 
-def test_lazy_tls_patch_is_not_applied_on_new_torch(clean_patches):
-    if _compat.get_obj_asserts():
-        pytest.skip("this torch asserts; covered by the simulated tests")
-    assert "lazy_tls" not in threadgraph.install()
+def test_lazy_tls_is_applied_exactly_where_get_obj_asserts_and_doctor_says_which(clean_patches):
+    from threadgraph._doctor import format_report, report
+
+    asserts = _compat.get_obj_asserts()  # the simulated tests above cover the asserting side too
+    if not asserts:  # no hazard: a plain thread gets a container of its own with nothing patched
+        first, second = _container_in_fresh_thread(), _container_in_fresh_thread()
+        assert first is not second
+    assert ("lazy_tls" in threadgraph.install()) is asserts
+    text = format_report(report())
+    assert f"{'[x]' if asserts else '[ ]'} tls-assert" in text
+    state = next(line.split()[1] for line in text.splitlines() if line.split()[:1] == ["lazy_tls"])
+    assert state == ("active" if asserts else "not")
+    if asserts:
+        assert _container_in_fresh_thread() is not _container_in_fresh_thread()
 
 
 def test_ensure_tls_alone_fixes_a_thread_on_simulated_old_torch(old_torch):

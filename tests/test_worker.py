@@ -86,7 +86,16 @@ def test_group_fail_fast_stops_the_others_and_wakes_blocked_peers():
             with threadgraph.released():
                 wake.wait(30)  # a queue wait; the failure callback wakes it
 
-    group = WorkerGroup([Blocker(name="blocker"), Counter(name="healthy"), Counter(fail_in="step", at_step=3, name="bad")])
+    class FailsWhileTheBlockerWaits(Counter):
+        def step(self):
+            # Fail only once the blocker is in its wait: on a loaded machine the failing worker
+            # can otherwise reach its step 3 before the blocker has run a step at all.
+            if self.stats.steps == self.at_step:
+                assert blocked.wait(30), "the blocker never started a step"
+            super().step()
+
+    bad = FailsWhileTheBlockerWaits(fail_in="step", at_step=3, name="bad")
+    group = WorkerGroup([Blocker(name="blocker"), Counter(name="healthy"), bad])
     group.on_failure(lambda exc: wake.set())
     group.start()
     with pytest.raises(WorkerError, match="'bad'"):
@@ -247,7 +256,7 @@ def test_stopping_a_worker_that_waits_for_the_others_setups_ends_it():
     assert slow.stats.steps == 2
 
 
-# -- hazard 14: a joined thread's C++ thread-local destructor and interpreter exit ---------------
+# -- hazard stash-released-at-thread-exit: a joined thread's C++ thread-local destructor and interpreter exit ---------------
 
 class _EndTogether(CompiledWorkerThread):
     """Workers whose threads all end at one moment (the race is widest then)."""

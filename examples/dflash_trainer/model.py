@@ -179,7 +179,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.rotary = Rotary(head_dim, rope_theta)
         # Paper: random init. A private generator keeps replicas identical while other threads
-        # compile: each Dynamo compile rewinds torch's global generator (hazard 12).
+        # compile: each Dynamo compile rewinds torch's global generator (hazard global-rng-rewind).
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, nn.Linear):

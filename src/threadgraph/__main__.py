@@ -1,4 +1,5 @@
-"""Command line: ``python -m threadgraph doctor [--selftest] [--json]``."""
+"""Command line: ``python -m threadgraph doctor [--selftest] [--json]`` and
+``python -m threadgraph hazards [--write docs/hazards.md]`` (the hazard catalogue as Markdown)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,20 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="torch/CUDA versions, hazards present, patches; --selftest runs GPU checks")
     doctor.add_argument("--selftest", action="store_true", help="train and infer with reduce-overhead in worker threads on the GPU")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    hazards = sub.add_parser("hazards", help="the hazard catalogue and patch records as Markdown (docs/hazards.md)")
+    hazards.add_argument("--write", metavar="PATH", help="write the page to PATH instead of printing it")
     args = parser.parse_args(argv)
+
+    if args.command == "hazards":
+        from ._hazards import markdown
+
+        page = markdown()
+        if args.write:
+            with open(args.write, "w", encoding="utf-8") as out:
+                out.write(page)
+        else:
+            sys.stdout.write(page)
+        return 0
 
     info = report()
     if args.selftest and not info["cuda_available"]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import inspect
+import itertools
 import sys
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -32,6 +35,25 @@ REQUIRED_SYMBOLS = (
     ("torch._C", "_is_key_in_tls"),
     ("torch._C", "_get_obj_in_tls"),
 )
+
+
+# The newest torch the test suite ran on. doctor warns beyond it; this is the one version
+# comparison threadgraph makes, and it chooses no behaviour (features are detected).
+NEWEST_VERIFIED = (2, 15, 0)
+
+
+def release(version: str | None = None) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of a torch version string (local and pre-release tags dropped)."""
+    numbers = []
+    for piece in (version or torch.__version__).split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        numbers.append(int(digits or 0))
+    major, minor, patch = (numbers + [0, 0, 0])[:3]
+    return major, minor, patch
+
+
+def newer_than_verified(version: str | None = None) -> bool:
+    return release(version) > NEWEST_VERIFIED
 
 
 def require(module_path: str, attribute: str) -> Any:
@@ -75,25 +97,79 @@ def has_graph_capture_lock() -> bool:
     return hasattr(cudagraph_trees(), "graph_capture_lock")
 
 
-def cudagraphify_state_is_thread_local() -> bool:
-    """2.13+ keeps the per-graph cudagraphify state in a threading.local (keyed by the
-    executing thread, so backward on autograd's device thread sticks to one worker);
-    earlier releases keep one closure shared by every thread."""
-    import inspect
+def fx_tracing_flag_is_global() -> bool:
+    """Whether FX keeps its "tracing now" flag in one module-global bool (``_is_fx_tracing_flag``,
+    which ``Tracer.trace`` sets), so every thread's ``is_fx_tracing()`` sees any thread's trace.
+    Releases that keep it in a ``threading.local`` (``_is_fx_tracing_tls``) answer per thread."""
+    fx = importlib.import_module("torch.fx._symbolic_trace")
+    return isinstance(vars(fx).get("_is_fx_tracing_flag"), bool)
 
-    try:
-        source = inspect.getsource(require("torch._inductor.compile_fx", "cudagraphify"))
-    except (OSError, TypeError):
-        return False
-    return "threading.local" in source
+
+def fx_patcher_is_global() -> bool:
+    """Whether FX keeps the active tracing patcher (which patches ``nn.Module.__call__`` for every
+    thread) in the module global ``CURRENT_PATCHER`` rather than per thread."""
+    fx = importlib.import_module("torch.fx._symbolic_trace")
+    return "CURRENT_PATCHER" in vars(fx)
+
+
+def generation_counters_are_global() -> bool:
+    """Whether CUDAGraph Trees' generation counters are plain attributes of process-wide objects:
+    ``MarkStepBox.mark_step_counter`` (a class attribute) and ``GenerationTracker.generation``
+    (a class attribute, or an attribute of one module-level instance), not thread- or worker-local."""
+    mark_step_box = require("torch._inductor.cudagraph_trees", "MarkStepBox")
+    tracker = require("torch._dynamo.mutation_guard", "GenerationTracker")
+    counter = vars(mark_step_box).get("mark_step_counter")
+    return isinstance(counter, int) and not isinstance(tracker, threading.local) and isinstance(
+        getattr(tracker, "generation", None), int
+    )
+
+
+# The manager methods threadgraph patches to answer with the worker's generation; every other
+# manager method must reach the counters through them for the patches to be complete.
+GENERATION_READERS = ("get_curr_generation", "user_invoked_mark_step")
+_COUNTER_READS = ("MarkStepBox.mark_step_counter", "GenerationTracker.generation")
+
+
+def unpatched_generation_reads() -> list[str] | None:
+    """Tree-manager methods that read a global generation counter directly instead of through
+    :data:`GENERATION_READERS` (whose answers the generation patches replace). ``[]`` means
+    the patches see every read; ``None`` means the source cannot be read here.
+
+    The generation snapshot (``curr_generation``) that 2.14+ takes once per call and passes
+    down (``try_end_curr_execution``, ``can_start_new_generation``,
+    ``in_new_torch_compile_invocation``) is taken with ``self.get_curr_generation()``, so it is
+    the worker's; a release that read the counters anywhere else would be listed here."""
+    manager = require("torch._inductor.cudagraph_trees", "CUDAGraphTreeManager")
+    readers = []
+    for name, member in vars(manager).items():
+        if name in GENERATION_READERS:
+            continue
+        function = getattr(member, "__wrapped__", member)
+        function = getattr(function, "__func__", function)
+        if not inspect.isfunction(function):
+            continue
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            return None
+        if any(read in source for read in _COUNTER_READS):
+            readers.append(name)
+    return readers
+
+
+def generation_snapshot_parameter() -> bool:
+    """Whether the manager's generation checks take a ``curr_generation`` snapshot (2.14+) that
+    callers pass down instead of asking ``get_curr_generation()`` again."""
+    manager = require("torch._inductor.cudagraph_trees", "CUDAGraphTreeManager")
+    return "curr_generation" in inspect.signature(manager.in_new_torch_compile_invocation).parameters
 
 
 def dynamo_fx_tracing_check() -> str | None:
     """The predicate Dynamo asks before running a compiled function: ``is_fx_symbolic_tracing``
-    where it exists, else ``is_fx_tracing``. Both read one process-global flag that
-    ``Tracer.trace`` sets, so a compile (make_fx) in one thread makes compiled calls in
-    another raise "Detected that you are using FX to symbolically trace a dynamo-optimized
-    function"."""
+    where it exists, else ``is_fx_tracing``. Both read the flag ``Tracer.trace`` sets; where that
+    flag is process-global (:func:`fx_tracing_flag_is_global`), a compile (make_fx) in one thread
+    makes compiled calls in another raise "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function"."""
     fx = importlib.import_module("torch.fx._symbolic_trace")
     for name in ("is_fx_symbolic_tracing", "is_fx_tracing"):
         if hasattr(fx, name) and hasattr(fx, "Tracer"):
@@ -109,6 +185,12 @@ def dynamo_frame_callback() -> str | None:
     return "CatchErrorsWrapper" if cls is not None and "__call__" in vars(cls) else None
 
 
+def has_global_compile_lock() -> bool:
+    """Dynamo's ``compile_lock``: one process-wide lock around every frame's compile."""
+    convert_frame = importlib.import_module("torch._dynamo.convert_frame")
+    return getattr(convert_frame, "compile_lock", None) is not None
+
+
 def has_remove_obj_from_tls() -> bool:
     return hasattr(torch._C, "_remove_obj_from_tls")
 
@@ -118,7 +200,7 @@ def stash_takes_reference() -> bool:
     """Whether ``torch._C._stash_obj_in_tls`` takes its own reference to the object.
 
     On 2.11 it steals one it was never given (a use-after-free once the caller drops its
-    reference, hazard 4). Measured once with the refcount of a throwaway object under a
+    reference: hazard ``stash-steals-reference``). Measured once with the refcount of a throwaway object under a
     throwaway key, which is then removed or overwritten with an owned object.
     """
     probe = object()
@@ -198,21 +280,3 @@ def copy_all_(destinations: tuple, sources: tuple) -> None:
         return
     for destination, source in zip(destinations, sources):
         destination.copy_(source, non_blocking=True)
-
-
-def hazards() -> dict[str, bool]:
-    """Which of the documented hazards this torch has, by feature detection."""
-    return {
-        "tls_assert (#123177: get_obj asserts in plain threads)": get_obj_asserts(),
-        "stash_steals_reference (2.11 use-after-free)": not stash_takes_reference(),
-        "global_generation (mark-step/generation counters are process-wide)": True,
-        "device_wide_capture (other threads' eager work breaks a capture)": True,
-        "shared_cudagraphify_state (compiled graph bound to one thread's manager)": True,
-        "capture_lock_present (upstream orders tree-manager ops only)": has_graph_capture_lock(),
-        "global_fx_tracing_flag (another thread's compile makes compiled calls raise)": dynamo_fx_tracing_check() is not None,
-        "global_rng_rewind (each compile restores the global RNG state it saw at its start)": True,
-        "global_compile_lock (Dynamo compiles one frame at a time, process-wide)": True,
-        "global_default_dtype (a model load elsewhere changes the dtype a step creates and guards on)": True,
-        "stash_released_at_thread_exit (a joined thread's C++ TLS destructor takes the GIL; during "
-        "interpreter exit Python ends it inside a noexcept destructor: std::terminate)": thread_exit_during_finalization_aborts(),
-    }

@@ -7,8 +7,10 @@ import threading
 
 import torch
 
-from . import _compat
+from . import _compat, _hazards
 from ._patches import patches
+
+_STATUS = {"present": "[x]", "absent": "[ ]", "assumed": "[?]"}
 
 
 def report() -> dict:
@@ -20,25 +22,36 @@ def report() -> dict:
         "cuda_build": torch.version.cuda,
         "cuda_available": cuda,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        "hazards": _compat.hazards(),
+        "newest_verified_torch": ".".join(map(str, _compat.NEWEST_VERIFIED)),
+        "newer_than_verified": _compat.newer_than_verified(),
+        "hazards": _hazards.report(),
         "patches": patches(),
         "other_threads": foreign,
     }
 
 
 def format_report(info: dict) -> str:
-    lines = [
-        f"python {info['python']}, torch {info['torch']} (CUDA build: {info['cuda_build']})",
+    lines = [f"python {info['python']}, torch {info['torch']} (CUDA build: {info['cuda_build']})"]
+    if info["newer_than_verified"]:
+        lines.append(
+            f"warning: torch {info['torch']} is newer than the newest release threadgraph was verified on "
+            f"({info['newest_verified_torch']}); its patches may miss changed code: run the test suite"
+        )
+    lines += [
         f"GPUs: {', '.join(info['gpus']) if info['gpus'] else 'none visible'}",
         "",
-        "hazards (by feature detection):",
+        "hazards ([x] present, [ ] absent: feature-detected; [?] assumed present, not detectable; docs/hazards.md):",
     ]
-    lines += [f"  [{'x' if present else ' '}] {name}" for name, present in info["hazards"].items()]
+    width = max((len(h["name"]) for h in info["hazards"]), default=0)
+    for h in info["hazards"]:
+        addressed = f"patches: {', '.join(h['patches'])}" if h["patches"] else "no patch"
+        lines.append(f"  {_STATUS[h['status']]} {h['name']:<{width}}  {addressed}")
     lines += ["", "patches (install() applies those marked 'applies'):"]
     width = max((len(p["name"]) for p in info["patches"]), default=0)
+    hazard_width = max((len(p["hazard"]) for p in info["patches"]), default=0)
     for p in info["patches"]:
         state = "active" if p["active"] else ("applies" if p["applies"] else "not needed")
-        lines.append(f"  {p['name']:<{width}} {state:<10} {p['target']}")
+        lines.append(f"  {p['name']:<{width}} {state:<10} {p['hazard']:<{hazard_width}} {p['target']}")
     if info["other_threads"]:
         lines += [
             "",

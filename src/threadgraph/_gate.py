@@ -3,7 +3,7 @@
 Invariant: while any thread holds a device's gate exclusively (tree-manager init, eager
 warmup in the graph pool, recording), no worker thread runs its own CUDA work on that
 device. CUDA capture is device-wide in effect (the Philox generator, device synchronisation,
-the allocator's pool state: hazard 2), so work from other threads breaks it.
+the allocator's pool state: hazard device-wide-capture), so work from other threads breaks it.
 
 - A worker holds a *shared* slot on its device while its own thread does CUDA work
   (``CompiledWorkerThread`` holds one around ``setup()`` and each ``step()``).

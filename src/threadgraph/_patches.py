@@ -1,8 +1,9 @@
 """The global shim: named patches of CUDAGraph Trees, applied with ``install()``.
 
-Each patch names the upstream symbol it wraps, the hazard it fixes (numbers refer to
-torch-threading-hazards.md, mirrored in the README), the releases it was checked on, and when
-it can go. Patches are looked up where torch looks the name up at call time.
+Each patch names the upstream symbol it wraps, the hazard it addresses (a name from the catalogue
+in ``_hazards.py``, rendered as docs/hazards.md), the releases it applies to, which releases were
+read and run and what changed between them, and when it can go. Patches are looked up where
+torch looks the name up at call time.
 """
 
 from __future__ import annotations
@@ -141,66 +142,103 @@ def _fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: 
 
 _TREES = "torch._inductor.cudagraph_trees"
 _MANAGER = f"{_TREES}:CUDAGraphTreeManager"
-_GEN = "1: generation counters are process-global"
-_CAPTURE = "2: capture is device-wide; other threads' CUDA work breaks it"
-_UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15)"
-_UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15)"
-_FX = "11: FX's tracing flag is process-global; a compile in one thread makes compiled calls in others raise"
-_UNTIL_FX = "upstream keeps the FX tracing flag per thread (not as of 2.13)"
-_FX_SEEN = ("seen on an H200, torch 2.11: 'Detected that you are using FX to symbolically trace a "
-            "dynamo-optimized function' in a worker while another compiled")
+_READ = "2.13.0, 2.14.1, 2.15.0"
+_RUN = "CPU tests on 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); GPU tests on 2.11.0 (NVIDIA H200)"
+_RUN_CPU_SIM = "CPU tests on 2.13.0, 2.14.1, 2.15.0 with 2.12's get_obj simulated; GPU tests on 2.11.0 (NVIDIA H200)"
+_UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15.0)"
+_UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15.0)"
+_UNTIL_FX = "every supported torch keeps the FX tracing flag per thread (2.14+ does)"
+_NONE = "none known"
+_FX_UPSTREAM = "pytorch/pytorch#126024 (the error in threads), pytorch/pytorch#168999 (flag per thread, in 2.14)"
+_GEN_SAME = ("identical in 2.13.0, 2.14.1 and 2.15.0. 2.14 added a generation snapshot (`curr_generation`) that "
+             "`run` takes with `self.get_curr_generation()` and passes to `try_end_curr_execution`, "
+             "`can_start_new_generation` and `in_new_torch_compile_invocation`, plus a generation-boundary "
+             "check for cloned user-visible outputs (`has_live_user_visible_output_cloning`); every read "
+             "still goes through `get_curr_generation` / `user_invoked_mark_step` (`install()` checks this "
+             "by source), so the patches keep generations per worker on all three")
+_GATE_SAME = ("2.14 turned asserts into raised AssertionErrors; the method is still on the capture path "
+              "and takes no device argument of its own")
 
 PATCHES = [
-    Patch("lazy_tls", f"{_TREES}:get_obj", "0: get_obj asserts in threads without TLS (#123177)",
-          "2.1 - 2.12", "torch>=2.13 everywhere (upstream initialises TLS lazily)", "pytorch/pytorch#123177, PR #184357",
-          _lazy_tls, applies=_compat.get_obj_asserts),
-    Patch("worker_mark_step", f"{_TREES}:mark_step_begin", _GEN, "2.1 - 2.15", _UNTIL_GEN, "pytorch/pytorch#123177",
-          _worker_mark_step),
-    Patch("worker_generation", f"{_MANAGER}.get_curr_generation", _GEN, "2.1 - 2.15", _UNTIL_GEN, "pytorch/pytorch#123177",
-          _worker_curr_generation),
-    Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", _GEN, "2.1 - 2.15", _UNTIL_GEN,
-          "pytorch/pytorch#123177", _worker_user_mark_step),
-    Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", _GEN, "2.1 - 2.15",
-          _UNTIL_GEN, "pytorch/pytorch#123177", _worker_generation_bump),
-    Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify",
-          "10: one compiled graph's cudagraph state is bound to one thread's tree manager", "2.1 - 2.15",
-          "upstream keys cudagraphify state by a TLS object that travels into backward", "pytorch/pytorch#123177",
-          _per_worker_cudagraphify),
-    Patch("gate_manager_init", f"{_MANAGER}.__init__", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
-          _exclusive(None)),
-    Patch("gate_warmup", f"{_MANAGER}.run_eager", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
-          _exclusive("warmups")),
-    Patch("gate_pool_checkpoint", f"{_MANAGER}.apply_checkpoint_execution_state_in_allocator", _CAPTURE, "2.1 - 2.15",
-          _UNTIL_CAPTURE, "pytorch/pytorch#123177", _exclusive(None)),
-    Patch("gate_record", f"{_MANAGER}.record_function", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE, "pytorch/pytorch#123177",
-          _exclusive("captures")),
-    Patch("fx_trace_marks_thread", "torch.fx._symbolic_trace:Tracer.trace", _FX, "2.1 - 2.15", _UNTIL_FX, _FX_SEEN,
-          _fx_trace_marks_thread, applies=lambda: _compat.dynamo_fx_tracing_check() is not None),
-    Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing", _FX, "2.1 - 2.15",
-          _UNTIL_FX, _FX_SEEN, _fx_symbolic_tracing_in_this_thread,
-          applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing"),
-    Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", _FX, "releases without "
-          "is_fx_symbolic_tracing", _UNTIL_FX, _FX_SEEN, _fx_tracing_in_this_thread,
-          applies=lambda: _compat.dynamo_fx_tracing_check() == "is_fx_tracing"),
+    Patch("lazy_tls", f"{_TREES}:get_obj", "tls-assert", "2.1 - 2.12 (feature-detected)",
+          "torch>=2.13 everywhere (upstream initialises TLS lazily)",
+          "pytorch/pytorch#123177, pytorch/pytorch#184357 (the fix, first in 2.13)",
+          _lazy_tls, applies=_compat.get_obj_asserts, read=_READ, run=_RUN_CPU_SIM,
+          changes="not applied on 2.13+ (`_initialize_tls` present); 2.15 changed only a type annotation"),
+    Patch("worker_mark_step", f"{_TREES}:mark_step_begin", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN, _NONE,
+          _worker_mark_step, read=_READ, run=_RUN,
+          changes="identical in 2.13.0, 2.14.1, 2.15.0: decrements the class attribute `MarkStepBox.mark_step_counter`"),
+    Patch("worker_generation", f"{_MANAGER}.get_curr_generation", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN,
+          _NONE, _worker_curr_generation, read=_READ, run=_RUN, changes=_GEN_SAME),
+    Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", "global-generation", "2.1 - 2.15.0",
+          _UNTIL_GEN, _NONE, _worker_user_mark_step, read=_READ, run=_RUN, changes=_GEN_SAME),
+    Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", "global-generation",
+          "2.1 - 2.15.0", _UNTIL_GEN, _NONE, _worker_generation_bump, read=_READ, run=_RUN,
+          changes="eval_frame calls it through its module global on every entry into a compiled frame in all three; "
+                  "2.15 renamed its once-only marker and made `GenerationTracker` one dataclass instance (still "
+                  "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched"),
+    Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify", "shared-cudagraphify-state",
+          "2.1 - 2.15.0", "upstream keys cudagraphify state by a TLS object that travels into backward",
+          "pytorch/pytorch#184357 (per host thread, which backward defeats), pytorch/pytorch#186192",
+          _per_worker_cudagraphify, read=_READ, run=_RUN,
+          changes="2.14 added keyword arguments (`kernel_free_cudagraph`, `user_visible_output_idxs`), 2.15 more "
+                  "(re-record limits, initial pool size); all keep one `threading.local` per graph and every "
+                  "caller imports the function from compile_fx at call time (2.15's default `CUDAGraphPolicy` too), "
+                  "so the per-worker wrapper, which passes every argument through, still applies"),
+    Patch("gate_manager_init", f"{_MANAGER}.__init__", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
+          _exclusive(None), read=_READ, run=_RUN,
+          changes="2.15 added a keyword `initial_mempool_allocation_gb` and primes the private pool with a device "
+                  "allocation (more reason to hold the gate); `device_index` is still the first argument"),
+    Patch("gate_warmup", f"{_MANAGER}.run_eager", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
+          _exclusive("warmups"), read=_READ, run=_RUN,
+          changes="2.14 records the function being warmed up (`active_warmup_function`); 2.15 as 2.14"),
+    Patch("gate_pool_checkpoint", f"{_MANAGER}.apply_checkpoint_execution_state_in_allocator", "device-wide-capture",
+          "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE, _exclusive(None), read=_READ, run=_RUN, changes=_GATE_SAME),
+    Patch("gate_record", f"{_MANAGER}.record_function", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
+          _exclusive("captures"), read=_READ, run=_RUN,
+          changes=_GATE_SAME + "; 2.15 passes liveness state and demoted input indices to the new node"),
+    Patch("fx_trace_marks_thread", "torch.fx._symbolic_trace:Tracer.trace", "global-fx-tracing-flag",
+          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_trace_marks_thread,
+          applies=lambda: _compat.fx_tracing_flag_is_global() and _compat.dynamo_fx_tracing_check() is not None,
+          read=_READ, run=_RUN,
+          changes="2.14 keeps the flag in a `threading.local` (`_is_fx_tracing_tls`): not applied on 2.14.1, 2.15.0"),
+    Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing", "global-fx-tracing-flag",
+          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_symbolic_tracing_in_this_thread,
+          applies=lambda: _compat.fx_tracing_flag_is_global()
+          and _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing",
+          read=_READ, run=_RUN, changes="2.14 reads the per-thread flag: not applied on 2.14.1, 2.15.0"),
+    Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", "global-fx-tracing-flag",
+          "releases with the global flag and without is_fx_symbolic_tracing", _UNTIL_FX, _FX_UPSTREAM,
+          _fx_tracing_in_this_thread,
+          applies=lambda: _compat.fx_tracing_flag_is_global() and _compat.dynamo_fx_tracing_check() == "is_fx_tracing",
+          read=_READ, run="CPU tests on 2.13.0, 2.14.1, 2.15.0 (not applied on any of them)",
+          changes="2.13.0 - 2.15.0 all have `is_fx_symbolic_tracing`, so this one is not applied there"),
     # Outside the compile lock, not inside it: a thread that restored its slot while still
     # holding the lock would wait for captures that wait for slots held by threads queued on
     # the lock (the second one-GPU DFlash stall on an H200).
-    Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__",
-          "3: Dynamo compiles under one process-wide lock; a worker queued on it must not hold its slot",
-          "releases with CatchErrorsWrapper (feature-detected; 2.13 on CPU, 2.11 on an H200)", "never (the lock is process-wide)",
-          "seen on an H200, torch 2.11: 8 DFlash workers on one GPU, captures stalled behind queued compiles",
-          _release_slots, applies=lambda: _compat.dynamo_frame_callback() is not None),
-    Patch("gate_release_in_backward", "torch.autograd:backward",
-          "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
-          "never (inherent to autograd's device threads)", "-", _release_slots),
-    Patch("gate_release_in_grad", "torch.autograd:grad",
-          "3: backward (and captures in it) run on autograd's shared device thread", "2.1 - 2.15",
-          "never (inherent to autograd's device threads)", "-", _release_slots),
+    Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__", "global-compile-lock",
+          "releases with CatchErrorsWrapper (feature-detected)", "never (the lock is process-wide)",
+          "pytorch/pytorch#105943 (the compile region's one lock)", _release_slots,
+          applies=lambda: _compat.dynamo_frame_callback() is not None, read=_READ,
+          run=_RUN + "; measured with 8 DFlash workers on one GPU",
+          changes="2.14 passes `apply_to_code` when it skips a frame; 2.15 as 2.14; `compile_lock` is still one "
+                  "process-wide RLock"),
+    Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread", "2.1 - 2.15.0",
+          "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
+          changes="identical in 2.13.0, 2.14.1, 2.15.0"),
+    Patch("gate_release_in_grad", "torch.autograd:grad", "autograd-device-thread", "2.1 - 2.15.0",
+          "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
+          changes="identical in 2.13.0, 2.14.1, 2.15.0"),
 ]
 
-_FENCE_UNTIL = "upstream keeps capture mode out of other threads' generator use and syncs (not as of 2.15)"
-_FENCE_SEEN = ("seen on an H200, torch 2.11: pytorch#123177's repro (32 plain threads, torch.rand inputs) raised "
-               "'Offset increment outside graph capture encountered unexpectedly' in 1 and 7 of 32 threads")
+_FENCE_UNTIL = "upstream keeps capture mode out of other threads' generator use and syncs (not as of 2.15.0)"
+_RUN_FENCE = ("CPU tests on 2.13.0, 2.14.1, 2.15.0 against a simulated capture; GPU tests and benchmarks/fence_matrix.py "
+              "on 2.11.0 (NVIDIA H200)")
+_FENCE_SAME = ("the entry points are public API, unchanged in 2.13.0 - 2.15.0. 2.14 added a PyObject fast path to "
+               "OpOverload.__call__ (`_pyobj_dispatcher`, which bypasses `_op`); torch enables it for "
+               "torch.library custom ops only, so the ATen RNG overloads still call `_op`")
+_CAPTURE_SAME = ("2.14 split CUDAGraph.capture_end into capture_end_pre and the instantiation; capture_end still "
+                 "calls both, and capture_begin is unchanged")
 
 
 def _rng_targets() -> list[str]:
@@ -208,14 +246,15 @@ def _rng_targets() -> list[str]:
 
 
 PATCHES += [
-    Patch("fence_rng", "torch:rand", _CAPTURE, "2.1 - 2.15", _FENCE_UNTIL, _FENCE_SEEN, None,
-          more_targets=_rng_targets, replace=_fence.fenced_function),
-    Patch("fence_synchronize", "torch.cuda:synchronize", _CAPTURE, "2.1 - 2.15", _FENCE_UNTIL, _FENCE_SEEN, None,
-          replace=lambda original: _fence.fenced_function(original, _fence.synchronize_device)),
-    Patch("capture_begin_exclusive", "torch.cuda.graphs:CUDAGraph.capture_begin", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE,
-          "any capture, also one made by hand with torch.cuda.graph, takes the device's gate", _fence.capture_begin_exclusive),
-    Patch("capture_end_exclusive", "torch.cuda.graphs:CUDAGraph.capture_end", _CAPTURE, "2.1 - 2.15", _UNTIL_CAPTURE,
-          "releases what capture_begin_exclusive took", _fence.capture_end_exclusive),
+    Patch("fence_rng", "torch:rand", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
+          more_targets=_rng_targets, replace=_fence.fenced_function, read=_READ, run=_RUN_FENCE, changes=_FENCE_SAME),
+    Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
+          replace=lambda original: _fence.fenced_function(original, _fence.synchronize_device),
+          read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),
+    Patch("capture_begin_exclusive", "torch.cuda.graphs:CUDAGraph.capture_begin", "device-wide-capture", "2.1 - 2.15.0",
+          _UNTIL_CAPTURE, _NONE, _fence.capture_begin_exclusive, read=_READ, run=_RUN_FENCE, changes=_CAPTURE_SAME),
+    Patch("capture_end_exclusive", "torch.cuda.graphs:CUDAGraph.capture_end", "device-wide-capture", "2.1 - 2.15.0",
+          _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive, read=_READ, run=_RUN_FENCE, changes=_CAPTURE_SAME),
 ]
 
 FENCE_PATCHES = frozenset({"fence_rng", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
@@ -242,7 +281,21 @@ def install(exclude: frozenset = frozenset()) -> list[str]:
                    "before the first torch.compile(mode='reduce-overhead') call")
         log.warning(message)
         warnings.warn(message, ThreadgraphWarning, stacklevel=2)
+    if "worker_generation" in applied:
+        _warn_on_unpatched_generation_reads()
     return applied
+
+
+def _warn_on_unpatched_generation_reads() -> None:
+    # The generation patches replace the manager's two readers of the global counters; a torch
+    # whose manager reads them anywhere else would mix workers' generations there.
+    readers = _compat.unpatched_generation_reads()
+    if readers:
+        message = (f"threadgraph: this torch's CUDAGraphTreeManager reads the global generation counters in "
+                   f"{', '.join(readers)}, outside {', '.join(_compat.GENERATION_READERS)}; there workers can "
+                   "still end each other's generations (hazard global-generation). Please report it")
+        log.warning(message)
+        warnings.warn(message, ThreadgraphWarning, stacklevel=3)
 
 
 def _trees_exist_in_this_thread() -> bool:

@@ -26,12 +26,15 @@ class PatchWrapper(wrapt.FunctionWrapper):
 class Patch:
     name: str
     target: str  # "module.path:Owner.attribute" or "module.path:attribute"
-    hazard: str
-    releases: str  # torch releases checked / affected
+    hazard: str  # a name from the hazard catalogue (``_hazards.HAZARDS``)
+    releases: str  # torch releases it applies to
     removable_when: str
-    upstream: str
+    upstream: str  # verified upstream issues / pull requests, or "none known"
     wrapper: Optional[Callable[..., Any]]  # a wrapt wrapper (wrapped, instance, args, kwargs)
     applies: Callable[[], bool] = lambda: True
+    read: str = "not recorded"  # releases whose source of the target was read
+    run: str = "not recorded"  # releases the tests ran on (CPU, GPU with the machine)
+    changes: str = "not recorded"  # what changed in the target between those releases
     # Further targets, listed when the patch is installed (they can depend on the torch at hand).
     more_targets: Callable[[], list[str]] = lambda: []
     # Instead of a wrapt proxy, the object that replaces the original (for callables Dynamo must
@@ -117,10 +120,6 @@ class Registry:
                 log.debug("threadgraph: restored %s", self._patches[name].target)
         return removed
 
-    def is_active(self, name: str) -> bool:
-        with self._lock:
-            return name in self._originals
-
     def describe(self) -> list[dict[str, Any]]:
         with self._lock:
             return [
@@ -132,6 +131,9 @@ class Registry:
                     "releases": p.releases,
                     "removable_when": p.removable_when,
                     "upstream": p.upstream,
+                    "read": p.read,
+                    "run": p.run,
+                    "changes": p.changes,
                     "applies": p.applies(),
                     "active": p.name in self._originals,
                 }

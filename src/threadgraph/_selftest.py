@@ -16,7 +16,7 @@ WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 
 def _model(device: str) -> torch.nn.Module:
     """DEPTH x [Linear, GELU, LayerNorm], the same weights in every thread: they are drawn from a
-    private generator (a compile in another thread rewinds torch's global one, hazard 12)."""
+    private generator (a compile in another thread rewinds torch's global one, hazard global-rng-rewind)."""
     model = torch.nn.Sequential(*[m for _ in range(DEPTH)
                                   for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH))])
     g = torch.Generator().manual_seed(0)

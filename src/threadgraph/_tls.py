@@ -51,8 +51,8 @@ class WorkerState:
     """What one worker owns that upstream keeps process-wide.
 
     ``mark_step_counter`` and ``generation`` replace ``MarkStepBox.mark_step_counter`` and
-    ``GenerationTracker.generation`` for this worker's tree managers (hazard 1); instances
-    also key the per-worker cudagraphify state (hazard 10). Read from the stash, so the
+    ``GenerationTracker.generation`` for this worker's tree managers (hazard global-generation); instances
+    also key the per-worker cudagraphify state (hazard shared-cudagraphify-state). Read from the stash, so the
     worker's backward on autograd's device thread sees the same object.
     """
 
@@ -98,7 +98,7 @@ def release_cudagraph_tls() -> None:
     are released by the thread's C++ thread-local destructor after Python's ``join()`` returns;
     that takes the GIL, and while the interpreter finalises, Python (< 3.14) ends such a thread
     with ``pthread_exit`` inside a noexcept destructor: the process aborts with "terminate
-    called without an active exception" (hazard 14). :func:`wait_for_thread_exit` covers torch
+    called without an active exception" (hazard stash-released-at-thread-exit). :func:`wait_for_thread_exit` covers torch
     releases that cannot remove entries.
     """
     for key in (WORKER_KEY, *TREE_TLS_KEYS):
@@ -108,7 +108,7 @@ def release_cudagraph_tls() -> None:
 
 def wait_for_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> bool:
     """After ``thread.join()``: wait until the OS thread is gone too, so its C++ thread-local
-    destructors (hazard 14) have run. Linux only (elsewhere returns at once); returns whether
+    destructors (hazard stash-released-at-thread-exit) have run. Linux only (elsewhere returns at once); returns whether
     the thread is known to be gone."""
     native_id = getattr(thread, "native_id", None)
     if native_id is None or not sys.platform.startswith("linux"):

@@ -5,7 +5,7 @@ CUDAGraph Trees replays per compiled region and keeps Python bookkeeping per cal
 GIL; a replayed whole step costs one ``cudaGraphLaunch`` (the binding releases the GIL) plus
 one op for the input copies. Warmup and capture run on the step's own stream; the capture
 records into its own private memory pool while holding the device gate exclusively, so no other
-worker's CUDA work overlaps it (hazard 2). Warmup is ordinary device work and holds only the
+worker's CUDA work overlaps it (hazard device-wide-capture). Warmup is ordinary device work and holds only the
 caller's shared slot, so a long first compile does not stop the other workers on the device.
 Backward inside the capture runs on autograd's device thread; the capture is stream-based, so
 those kernels are recorded too.

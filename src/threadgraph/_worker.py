@@ -170,7 +170,7 @@ class CompiledWorkerThread(threading.Thread):
 
     def _bind(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per host thread (hazard 5)
+            torch.cuda.set_device(self.device)  # the current device is per host thread (hazard per-thread-device)
         install()
         ensure_cudagraph_tls()
         bind_worker(self.worker_state)
@@ -237,7 +237,7 @@ class WorkerGroup:
     ``serial_setup`` (the default) setups run one at a time. Setups load models, and loading
     changes process-global state that other threads read: transformers' ``from_pretrained(dtype=)``
     sets torch's default dtype while it builds, so a step elsewhere creates bfloat16 tensors and
-    a compile fails its own guards ("GLOBAL_STATE changed: default_dtype", hazard 13). Pass
+    a compile fails its own guards ("GLOBAL_STATE changed: default_dtype", hazard global-default-dtype). Pass
     ``serial_setup=False`` when setups must run together (for example, when they wait on each
     other); steps still wait for all setups.
     """

@@ -1,0 +1,303 @@
+"""The hazard catalogue: what goes wrong when CUDAGraph Trees (and the compile stack under it)
+meet Python threads, how threadgraph tells whether this torch has it, and what addresses it.
+
+One entry per hazard, under a stable name that patches, ``doctor``, the README and
+``docs/hazards.md`` use (``python -m threadgraph hazards --write docs/hazards.md`` renders it).
+``detect`` answers by feature detection; a hazard without one is *assumed* present, and says so.
+Upstream links are the ones verified to exist; none known is said as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from . import _compat
+
+# The releases this catalogue was checked against; what each patch saw is in its own record.
+READ_RELEASES = "2.13.0, 2.14.1, 2.15.0"
+READ = f"{READ_RELEASES} (source)"
+RUN_CPU = "2.13.0, 2.14.1, 2.15.0 (CPU test suite)"
+RUN_GPU = "2.11.0 (GPU tests and benchmarks, NVIDIA H200)"
+SIMULATED = "2.1 - 2.12 by simulation only (CPU tests swap in the older behaviour), except 2.11 on the GPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+    name: str
+    summary: str
+    detection: str  # how ``detect`` decides, or why the hazard is assumed
+    affected: str  # releases that have it, as far as read or run
+    verified: str  # releases where it was seen, read or run
+    upstream: tuple[str, ...] = ()  # verified upstream issues and pull requests
+    mitigation: str = ""  # what threadgraph does besides patches (or instead of them)
+    detect: Optional[Callable[[], bool]] = None  # None: assumed present
+
+    def status(self) -> str:
+        """``present`` or ``absent`` (detected), or ``assumed`` (no detection)."""
+        if self.detect is None:
+            return "assumed"
+        return "present" if self.detect() else "absent"
+
+
+def _gh(number: int, kind: str = "issues") -> str:
+    return f"https://github.com/pytorch/pytorch/{kind}/{number}"
+
+
+HAZARDS: tuple[Hazard, ...] = (
+    Hazard(
+        "tls-assert",
+        "A plain thread calling a reduce-overhead function fails in `get_obj` "
+        "(`assert torch._C._is_key_in_tls(attr_name)`): the tree-manager TLS exists only in the "
+        "thread that imported `cudagraph_trees` and in autograd's threads.",
+        "detected: `cudagraph_trees` has no `_initialize_tls` (2.13+ initialises the TLS lazily)",
+        "2.1 - 2.12",
+        f"2.11.0 (measured on an H200); {READ}: absent",
+        (_gh(123177), _gh(184357, "pull")),
+        "`ensure_cudagraph_tls()` at a thread's start does the same without `install()`.",
+        _compat.get_obj_asserts,
+    ),
+    Hazard(
+        "global-generation",
+        "Mark-step and generation counters are process-wide (`MarkStepBox.mark_step_counter`, "
+        "`GenerationTracker.generation`), but tree managers are per thread: one thread's "
+        "`cudagraph_mark_step_begin()` or compiled call starts a new generation for every thread's "
+        "manager and frees their live outputs (\"accessing tensor output of CUDAGraphs that has been "
+        "overwritten by a subsequent run\").",
+        "detected: both counters are plain attributes of process-wide objects, not thread-local",
+        "2.1 - 2.15.0",
+        f"2.11.0 (measured: 3 training threads on one GPU); {READ}",
+        (),
+        "Per-worker counters live in torch's C++ thread-local stash, which autograd copies into "
+        "its device threads, so a worker's backward reads its own.",
+        _compat.generation_counters_are_global,
+    ),
+    Hazard(
+        "device-wide-capture",
+        "Capture is device-wide in effect: while one thread records, another thread's eager RNG "
+        "(\"Offset increment outside graph capture encountered unexpectedly\") or synchronize "
+        "(\"operation not permitted when stream is capturing\") breaks the capture. 2.13+'s "
+        "`graph_capture_lock` orders tree-manager operations against each other only.",
+        "assumed: a property of CUDA capture and the device's generator, not of a Python symbol",
+        "2.1 - 2.15.0",
+        f"2.11.0 (measured on an H200); {READ}",
+        (),
+        "The device gate: workers hold a shared slot while they do CUDA work, capture paths (also any "
+        "`torch.cuda.CUDAGraph` capture) take it exclusively. The eager fence orders every other thread: "
+        "torch's RNG entry points, the ATen RNG overloads compiled code calls and `torch.cuda.synchronize` "
+        "wait while another thread holds the device. Measured safe and left alone: stream and event "
+        "syncs, host reads, allocation, `empty_cache`. Work reached from C++ without those entry points "
+        "goes in `threadgraph.outside_captures()`.",
+    ),
+    Hazard(
+        "autograd-device-thread",
+        "CUDA backward of every caller on a device runs on one autograd device thread, which "
+        "inherits the caller's ThreadLocalState: captures inside backward happen there, and a "
+        "gate that waits for a worker blocked in `.backward()` deadlocks.",
+        "assumed: inherent to autograd's engine",
+        "2.1 - 2.15.0",
+        f"2.11.0 (measured: a stop-the-world gate hung 3 and 8 training workers); {READ}",
+        (),
+        "A worker gives its gate slots up while it waits in `torch.autograd.backward` / `grad`.",
+    ),
+    Hazard(
+        "global-compile-lock",
+        "Dynamo compiles one frame at a time under a process-wide lock (`convert_frame.compile_lock`); "
+        "a worker queued on it must hold nothing a capture elsewhere waits for.",
+        "detected: `torch._dynamo.convert_frame.compile_lock` exists",
+        "2.3 - 2.15.0",
+        f"2.11.0 (measured: 8 DFlash workers on one GPU stalled behind queued compiles); {READ}",
+        (_gh(105943),),
+        "",
+        _compat.has_global_compile_lock,
+    ),
+    Hazard(
+        "stash-steals-reference",
+        "`torch._C._stash_obj_in_tls` stores an object without taking a reference: once the caller "
+        "drops its own, the stash points at freed memory (read back as an unrelated object).",
+        "detected: a refcount probe of `_stash_obj_in_tls` on a throwaway object",
+        "2.11.0 (measured); other releases by the probe",
+        f"2.11.0 (measured); {RUN_CPU}: the probe decides",
+        (),
+        "`_compat.stash` gives the stash the reference it takes.",
+        lambda: not _compat.stash_takes_reference(),
+    ),
+    Hazard(
+        "stash-released-at-thread-exit",
+        "Objects in torch's C++ thread-local stash are released by the thread's C++ destructor after "
+        "Python's `join()` has returned; that takes the GIL, and while the interpreter finalises, "
+        "Python < 3.14 ends the thread inside a noexcept destructor: \"terminate called without an "
+        "active exception\".",
+        "detected: Python < 3.14 (3.14 hangs such a thread instead of ending it)",
+        "every torch release with the stash, on Python < 3.14",
+        f"seen in one of three DFlash trainer runs on a CPU; {RUN_CPU}",
+        (_gh(117762), _gh(182083, "pull")),
+        "Workers empty their stash before they end (`release_cudagraph_tls()`, where torch has "
+        "`_remove_obj_from_tls`) and `join()` waits for the OS thread to be gone (Linux).",
+        _compat.thread_exit_during_finalization_aborts,
+    ),
+    Hazard(
+        "per-thread-device",
+        "The current CUDA device is per host thread; a new thread starts on device 0.",
+        "assumed: a property of the CUDA runtime",
+        "every release",
+        f"2.11.0 (two H200s); {READ}",
+        (),
+        "`CompiledWorkerThread` sets its device before `setup()`.",
+    ),
+    Hazard(
+        "per-thread-config",
+        "Inductor/Dynamo config set in the main thread (`config.patch` or assignment) is invisible "
+        "in a new thread on releases that keep config per thread; `torch.compile(..., options=...)` "
+        "still applies.",
+        "assumed: not detected; seen from 2.12 on",
+        "2.12 - 2.15.0",
+        f"2.11.0 (GPU) and {RUN_CPU}",
+        (_gh(118387),),
+        "The self-test and benchmarks set the config they need in each thread.",
+    ),
+    Hazard(
+        "shared-cudagraphify-state",
+        "One compiled graph's cudagraphify state binds to one tree manager: the first caller's "
+        "(<= 2.12, a closure shared by all threads) or the executing thread's (2.13+, a "
+        "`threading.local`), and every worker's backward executes on autograd's one device thread.",
+        "assumed: both forms have it; nothing short of a per-worker key avoids it",
+        "2.1 - 2.15.0",
+        f"2.11.0 (measured: 3 training workers failed until the state was per worker); {READ}",
+        (_gh(184357, "pull"), _gh(186192, "pull")),
+        "",
+    ),
+    Hazard(
+        "global-fx-tracing-flag",
+        "FX's tracing flag is one module-global bool: while one thread traces (torch.fx, or make_fx "
+        "inside a compile), a compiled call in another raises \"Detected that you are using FX to "
+        "symbolically trace a dynamo-optimized function\".",
+        "detected: `torch.fx._symbolic_trace._is_fx_tracing_flag` is a module-global bool "
+        "(2.14+ keeps it in `_is_fx_tracing_tls`)",
+        "2.1 - 2.13",
+        f"2.11.0 (seen in the DFlash trainer on an H200), 2.13.0 (CPU test); 2.14.1, 2.15.0: absent",
+        (_gh(126024), _gh(168999, "pull")),
+        "",
+        _compat.fx_tracing_flag_is_global,
+    ),
+    Hazard(
+        "global-fx-patcher",
+        "FX symbolic tracing patches `nn.Module.__call__` and `__getattr__` process-wide and keeps the "
+        "active patcher in a module global (`CURRENT_PATCHER`): a module another thread calls during a "
+        "trace can enter the tracer, and Dynamo's `_maybe_revert_all_patches` in another thread's "
+        "compile can remove the trace's patches, silently changing its graph.",
+        "detected: `torch.fx._symbolic_trace.CURRENT_PATCHER` is a module global",
+        "2.1 - 2.15.0",
+        f"{READ}; not reproduced here",
+        (_gh(187589, "pull"), _gh(126024)),
+        "None: keep plain `torch.fx.symbolic_trace` out of the time worker threads compile or call "
+        "modules (compiles inside workers are ordered by Dynamo's lock, a plain trace is not).",
+        _compat.fx_patcher_is_global,
+    ),
+    Hazard(
+        "global-rng-rewind",
+        "Every Dynamo compile saves the global RNG state when it starts and restores it when it ends, "
+        "so a compile in one thread rewinds seeded draws another thread made meanwhile.",
+        "assumed: not detected",
+        "2.1 - 2.15.0",
+        f"2.11.0 (seen on an H200: one worker in eight started from other weights); {READ}",
+        (),
+        "Cannot be patched: draw model inits from a private `torch.Generator`, or in one thread "
+        "before the workers start.",
+    ),
+    Hazard(
+        "global-default-dtype",
+        "torch's default dtype is process-wide and transformers' `from_pretrained(dtype=...)` sets it "
+        "while it builds: a step in another thread then creates tensors of that dtype, and a compile "
+        "fails its own guard (\"GLOBAL_STATE changed: default_dtype\").",
+        "assumed: not detected",
+        "every release",
+        f"2.11.0 (seen on an H200); {RUN_CPU}",
+        (),
+        "A `WorkerGroup` runs its workers' `setup()`s one at a time and starts no `step()` before "
+        "all have returned.",
+    ),
+)
+
+_BY_NAME = {hazard.name: hazard for hazard in HAZARDS}
+
+
+def get(name: str) -> Hazard:
+    """The hazard called ``name``; a ``KeyError`` lists the known names."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"threadgraph: no hazard named {name!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def names() -> list[str]:
+    return [hazard.name for hazard in HAZARDS]
+
+
+def report() -> list[dict]:
+    """Every hazard with its status on this torch and the patches that address it."""
+    from ._patches import PATCHES
+
+    return [
+        {
+            "name": hazard.name,
+            "status": hazard.status(),
+            "detection": hazard.detection,
+            "patches": [p.name for p in PATCHES if p.hazard == hazard.name],
+        }
+        for hazard in HAZARDS
+    ]
+
+
+def markdown() -> str:
+    """``docs/hazards.md``: the catalogue and every patch's record. Independent of the installed
+    torch (no detection results), so the committed page can be compared with a fresh render."""
+    from ._patches import PATCHES
+
+    lines = [
+        "# Hazards",
+        "",
+        "Generated from `src/threadgraph/_hazards.py` and the patch records in `src/threadgraph/_patches.py`",
+        "by `python -m threadgraph hazards --write docs/hazards.md`; edit those, not this page.",
+        "`python -m threadgraph doctor` says which hazards the installed torch has.",
+        "",
+        f"Source read: {READ_RELEASES}. Run: {RUN_CPU}; {RUN_GPU}. {SIMULATED}.",
+        "",
+        "| hazard | how it is known | patches |",
+        "|---|---|---|",
+    ]
+    by_hazard = {h.name: [p.name for p in PATCHES if p.hazard == h.name] for h in HAZARDS}
+    for hazard in HAZARDS:
+        patches = ", ".join(f"`{n}`" for n in by_hazard[hazard.name]) or "none"
+        lines.append(f"| [`{hazard.name}`](#{hazard.name}) | {hazard.detection} | {patches} |")
+    for hazard in HAZARDS:
+        upstream = ", ".join(f"<{url}>" for url in hazard.upstream) or "none known"
+        lines += [
+            "",
+            f"## {hazard.name}",
+            "",
+            hazard.summary,
+            "",
+            f"- How it is known: {hazard.detection}.",
+            f"- Affected releases: {hazard.affected}.",
+            f"- Verified: {hazard.verified}.",
+            f"- Upstream: {upstream}.",
+            f"- Patches: {', '.join(f'`{n}`' for n in by_hazard[hazard.name]) or 'none'}.",
+        ]
+        if hazard.mitigation:
+            lines.append(f"- Besides patches: {hazard.mitigation}")
+    lines += ["", "## Patches", "", "Each patch as `threadgraph.patches()` reports it."]
+    for patch in PATCHES:
+        lines += [
+            "",
+            f"### {patch.name}",
+            "",
+            f"- Wraps: `{patch.target}`; hazard: [`{patch.hazard}`](#{patch.hazard}).",
+            f"- Applies to: {patch.releases}.",
+            f"- Removable when: {patch.removable_when}.",
+            f"- Upstream: {patch.upstream}.",
+            f"- Read: {patch.read}.",
+            f"- Run: {patch.run}.",
+            f"- What changed between them: {patch.changes.rstrip('.')}.",
+        ]
+    return "\n".join(lines) + "\n"
