@@ -37,10 +37,10 @@ EAGER_PATH_PATCHES = ("fence_rng", "fence_synchronize")
 
 
 class Phase:
-    """The phase the main thread is in: its number (even: fenced) and whether a switch is under way."""
+    """The phase the main thread is in: its number (even: fenced, odd: unfenced) and whether a switch is under way."""
 
     def __init__(self):
-        self.number, self.switching = 0, False
+        self.number, self.switching = -1, False  # -1: workers still warming up, nothing is timed
 
 
 class StepWorker(threadgraph.CompiledWorkerThread):
@@ -74,7 +74,7 @@ class StepWorker(threadgraph.CompiledWorkerThread):
         torch.cuda.current_stream().synchronize()  # wall time of the whole step, GPU included
         if self.stats.steps >= self.warmup_steps:
             self.warm.set()
-            if not switching and not self.phase.switching and phase == self.phase.number:
+            if phase >= 0 and not switching and not self.phase.switching and phase == self.phase.number:
                 self.times.append((phase, time.perf_counter() - started))
 
 
