@@ -55,7 +55,8 @@ def format_report(info: dict) -> str:
     if info["other_threads"]:
         lines += [
             "",
-            "warning: threads threadgraph does not manage are running: " + ", ".join(info["other_threads"]),
-            "  CUDA work they do is not ordered against captures; keep it out of capture windows.",
+            "note: threads threadgraph does not manage are running: " + ", ".join(info["other_threads"]),
+            "  after install(), their RNG draws and device syncs through torch's API wait for captures; other",
+            "  CUDA work reached from C++ belongs in `with threadgraph.outside_captures():`.",
         ]
     return "\n".join(lines)
