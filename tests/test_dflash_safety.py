@@ -305,3 +305,28 @@ def test_a_suspended_torchrun_rank_fails_the_job_naming_it_within_the_timeout(ti
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="sends Ctrl-C to a process group")
+def test_ctrl_c_to_a_torchrun_job_saves_one_checkpoint_at_a_step_every_rank_agrees_on(tiny_assets, tmp_path):
+    logs = tmp_path / "logs"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--redirects", "3", "--log-dir", str(logs), "-m", "examples.dflash_trainer",
+           *cli_args(tiny_assets, out, "--max-steps", "100000", "--checkpoint-every", "2")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(out / "checkpoints" / "latest", proc)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the agent and every rank get it
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    text = {rank: "".join(p.read_text() for p in logs.rglob("*") if p.is_file() and f"/{rank}/" in str(p))
+            for rank in (0, 1)}
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    assert f"checkpoint saved to {out / 'checkpoints' / latest}" in text[0], text[0][-3000:]
+    assert f"after step {step}; rank 0 saves the checkpoint" in text[1], text[1][-3000:]

@@ -75,9 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         saved = getattr(interrupt, "checkpoint", None)  # train.Interrupted, once the workers ran
         signum = getattr(interrupt, "signum", signal.SIGINT)
         name = signal.Signals(signum).name
-        print(f"stopped by {name}: checkpoint saved to {saved}; continue with --resume" if saved is not None else
-              f"stopped by {name}: no checkpoint saved (no step completed, or this process does not save)",
-              file=sys.stderr)
+        step = getattr(interrupt, "step", None)
+        if saved is not None:
+            message = f"stopped by {name}: checkpoint saved to {saved}; continue with --resume"
+        elif step is not None:  # another process (rank 0) saved it
+            message = f"stopped by {name} after step {step}; rank 0 saves the checkpoint, not this process"
+        else:
+            message = f"stopped by {name}: no checkpoint saved (no step completed yet)"
+        print(message, file=sys.stderr)
         return 128 + signum
     except RunFinished as done:
         bar.close()
