@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import distributed
+from . import distributed, sizes
 from .checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
 from .data import ShardBatches, TokenData, read_jsonl
@@ -67,6 +67,7 @@ class Pipeline:
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()
+        sizes.check(config, shape.config, sum(p.numel() for p in shape.model.parameters()), policy.target_dtype, devices)
         data = read_jsonl(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size)
         rank, world = distributed.rank_and_world()
         # The data order follows from the config's seed, batch size, targets and drafters, and from
