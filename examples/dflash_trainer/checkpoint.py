@@ -143,10 +143,10 @@ def step_directories(root: str | Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)), reverse=True)
 
 
-def nearest_good(root: str | Path, *, before: Optional[Path] = None) -> Optional[Path]:
-    """The newest step directory under `root` (older than `before`, if given) that verifies."""
+def nearest_good(root: str | Path, *, exclude: Optional[Path] = None) -> Optional[Path]:
+    """The newest step directory under `root` (other than `exclude`) that verifies."""
     for path in step_directories(root):
-        if before is not None and path.name >= before.name:
+        if exclude is not None and path.name == exclude.name:
             continue
         try:
             verify_checkpoint(path)
@@ -158,9 +158,9 @@ def nearest_good(root: str | Path, *, before: Optional[Path] = None) -> Optional
 
 def _fix(root: Path, bad: Optional[Path] = None) -> str:
     """The fix for a bad checkpoint: the newest good one to point `latest` at, if there is one."""
-    good = nearest_good(root, before=bad)
+    good = nearest_good(root, exclude=bad)
     if good is None:
-        return ("no earlier checkpoint verifies; start a fresh run (a new --out-dir, or --overwrite to discard "
+        return ("no other checkpoint verifies; start a fresh run (a new --out-dir, or --overwrite to discard "
                 "this one)")
     return f"the nearest good checkpoint is {good}: resume from it with `echo {good.name} > {root / LATEST}` and --resume"
 
