@@ -93,15 +93,21 @@ class GradientAverager:
         # asked to stop (SIGINT/SIGTERM) before this average. Its sum is the same on every rank, so
         # all ranks stop after the same step (``stop_agreed``).
         self._stop_requested = stop_requested or (lambda: False)
-        self._votes: Optional[torch.Tensor] = None
+        self._votes: Optional[torch.Tensor] = None  # on the host
+        self._votes_ready: Any = None  # a CUDA event after the votes' copy to the host
         self._watchdog = watchdog
         self._averages = 0
 
     @property
     def stop_agreed(self) -> bool:
         """Across processes: some rank asked to stop before the last average (every rank reads
-        the same answer). Read by replica 0's thread after its average."""
-        return self._votes is not None and bool(self._votes.item() > 0)
+        the same answer). Read by replica 0's thread after its average; on a GPU it waits for the
+        all-reduce's copy to the host only, not for the update queued after it."""
+        if self._votes is None:
+            return False
+        if self._votes_ready is not None:
+            self._votes_ready.synchronize()
+        return bool(self._votes[0] > 0)
 
     def abort(self, _error: BaseException | None = None) -> None:
         self._barrier.abort()
@@ -130,7 +136,15 @@ class GradientAverager:
                 dist.all_reduce(wide)
                 if self._watchdog is not None:
                     self._watchdog.left()
-                self._votes = wide[n:]
+                votes = wide[n:]
+                if votes.is_cuda:  # to pinned host memory without a stream sync (no .item() in the step)
+                    if self._votes is None:
+                        self._votes = torch.zeros(1, dtype=votes.dtype, pin_memory=True)
+                        self._votes_ready = torch.cuda.Event()
+                    self._votes.copy_(votes, non_blocking=True)
+                    self._votes_ready.record(torch.cuda.current_stream(votes.device))
+                else:
+                    self._votes = votes
             self._mean = mean.div_(self.replicas * world)
         self._wait()
         grads.buffer.copy_(self._mean, non_blocking=True)
