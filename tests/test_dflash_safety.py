@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.assets import BuildSpec, default_assets
@@ -174,6 +175,8 @@ def test_bad_input_found_late_exits_2_with_one_line(tiny_assets, tmp_path, quiet
     as_file.write_text("x")
     cases = [
         (["--data", str(binary)], r"data file .*data\.bin is not UTF-8 text"),
+        (["--target", str(tmp_path / "nowhere")], r"target directory .*nowhere does not exist"),
+        (["--compile", "reduce-overhead"], r"--compile reduce-overhead needs CUDA devices"),
         (["--devices", "foo"], r"--devices entry 'foo' is not a device"),
         (["--out-dir", str(as_file)], r"--out-dir .*a_file is a file, not a directory"),
     ]

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import EXIT_FAILED
+from .errors import EXIT_FAILED, InputError
 
 log = logging.getLogger("dflash")
 
@@ -133,7 +133,7 @@ def local_devices(devices: list[str]) -> list[str]:
         return devices
     mine = devices[local_rank::local_world]
     if not mine:
-        raise ValueError(f"{local_world} processes on this node but only {len(devices)} devices; "
+        raise InputError(f"{local_world} processes on this node but only {len(devices)} devices; "
                          "start one process per node (torchrun --nproc-per-node 1)")
     return mine
 

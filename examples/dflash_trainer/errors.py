@@ -15,5 +15,9 @@ class BadInput(Exception):
     """Bad input found before or during the run; the message names the flag or file and the fix."""
 
 
+class MissingInput(BadInput, FileNotFoundError):
+    """A file or directory a flag names does not exist."""
+
+
 class InputError(BadInput, ValueError):
     """A bad flag value found after the config was built (the config's own checks raise ValueError)."""
