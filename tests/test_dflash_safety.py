@@ -279,6 +279,19 @@ def test_a_stop_signal_saves_at_the_next_step_and_resumes_bit_identically(tiny_a
     assert resumed["losses"] == full[saved:]  # bit-identical
 
 
+def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tmp_path, quiet_cli, capsys, monkeypatch):
+    from examples.dflash_trainer import pipeline
+
+    def build(config):  # the signal arrives while the pipeline is being built
+        signal.raise_signal(signal.SIGTERM)
+        raise AssertionError("the SIGTERM handler did not stop the run")
+
+    monkeypatch.setattr(pipeline.Pipeline, "build", staticmethod(build))
+    assert cli.main(cli_args(tiny_assets, tmp_path, "--max-steps", "2")) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are the process's again
+
+
 def _rank_pids(agent_pid: int) -> dict:
     """{rank: pid} of the worker processes a torchrun agent started."""
     out = {}

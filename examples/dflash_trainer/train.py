@@ -41,10 +41,10 @@ class StopSignals:
     ignored, so the save is not cut short. Before the first step (setup: nothing to save) the
     first signal raises KeyboardInterrupt at once. Installed only from the main thread."""
 
-    def __init__(self, lead: Lead, requested: threading.Event) -> None:
-        self.lead = lead
+    def __init__(self) -> None:
+        self.lead: Optional[Lead] = None  # set once the workers exist
         self.signum: Optional[int] = None
-        self.requested = requested
+        self.requested = threading.Event()
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignals:
@@ -64,13 +64,18 @@ class StopSignals:
                         signal.Signals(self.signum).name)
             return
         self.signum = signum
-        if not self.lead.stepping:
-            raise KeyboardInterrupt(name)
+        if self.lead is None or not self.lead.stepping:
+            raise Interrupted(None, signum)
         log.warning("dflash: %s: saving a checkpoint at the next step boundary, then stopping", name)
         self.requested.set()
 
 
 def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> dict:
+    with StopSignals() as signals:  # from the start: a stop during setup ends the run at once
+        return _train(config, progress, signals)
+
+
+def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> dict:
     outdir.prepare(config, leader=distributed.rank_env() == 0)
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
@@ -78,8 +83,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
     leader = parts.rank == 0
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
-    requested = threading.Event()
-    averager = GradientAverager(config.drafters, stop_requested=requested.is_set, watchdog=watchdog)
+    averager = GradientAverager(config.drafters, stop_requested=signals.requested.is_set, watchdog=watchdog)
     if leader and parts.start_step:
         outdir.cut_metrics(Path(config.out_dir) / outdir.METRICS, parts.start_step)
     metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
@@ -93,7 +97,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker
-    signals = StopSignals(lead, requested)
+    signals.lead = lead
     # Alone, a stop request is this process's; across processes, the sum the averager reduced.
     lead.should_stop = (lambda: averager.stop_agreed) if parts.world > 1 else signals.requested.is_set
 
@@ -106,10 +110,9 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
     log.info("dflash: %s; %d steps; %s", placement.describe(), parts.schedule.total_steps, parts.policy.mode)
     finished = False
     try:
-        with signals:
-            with _switch_interval(config.switch_interval_s):
-                group.start()
-                group.join()
+        with _switch_interval(config.switch_interval_s):
+            group.start()
+            group.join()
         finished = lead.stopped_at is None
     except KeyboardInterrupt as interrupt:  # a signal before the first step, or a caller's
         raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT) from interrupt
