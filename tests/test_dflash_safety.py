@@ -287,9 +287,10 @@ def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tm
         raise AssertionError("the SIGTERM handler did not stop the run")
 
     monkeypatch.setattr(pipeline.Pipeline, "build", staticmethod(build))
+    before = signal.getsignal(signal.SIGTERM)
     assert cli.main(cli_args(tiny_assets, tmp_path, "--max-steps", "2")) == 143
     assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are the process's again
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are the process's again
 
 
 def _rank_pids(agent_pid: int) -> dict:
