@@ -180,7 +180,7 @@ def test_ctrl_c_before_any_checkpoint_says_none_was_saved(tmp_path, monkeypatch,
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
     assert cli.main(["--devices", "cpu", "--out-dir", str(tmp_path)]) == 130
     err = capsys.readouterr().err
-    assert "interrupted: no checkpoint saved" in err and "checkpoint saved to" not in err
+    assert "stopped by SIGINT: no checkpoint saved" in err and "checkpoint saved to" not in err
 
 
 def test_torchrun_two_processes_each_with_five_plus_three_threads(tiny_assets, tmp_path):

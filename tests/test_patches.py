@@ -55,18 +55,27 @@ def test_patches_report_names_hazard_and_activity(clean_patches):
     assert after == {name: p["applies"] for name, p in before.items()}
 
 
-def test_installed_context_manager_restores_on_exit(clean_patches):
+def test_patched_context_manager_restores_on_exit(clean_patches):
     original = vars(trees)["mark_step_begin"]
-    with threadgraph.installed():
+    with threadgraph.patched():
         assert vars(trees)["mark_step_begin"] is not original
+        assert threadgraph.installed() is True
     assert vars(trees)["mark_step_begin"] is original
+    assert threadgraph.installed() is False
 
 
-def test_installed_leaves_an_outer_install_in_place(clean_patches):
+def test_patched_leaves_an_outer_install_in_place(clean_patches):
     threadgraph.install()
-    with threadgraph.installed():
+    with threadgraph.patched():
         pass
     assert any(p["active"] for p in threadgraph.patches())
+    assert threadgraph.installed() is True
+
+
+def test_installed_is_a_question_not_an_always_true_context_manager(clean_patches):
+    assert threadgraph.installed() is False  # was a context manager object: `if installed():` always true
+    threadgraph.install()
+    assert threadgraph.installed() is True
 
 
 def test_missing_symbol_is_named(monkeypatch):

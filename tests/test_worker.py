@@ -105,6 +105,73 @@ def test_group_fail_fast_stops_the_others_and_wakes_blocked_peers():
     assert blocked.is_set()
 
 
+@pytest.mark.timeout(60)
+def test_workers_blocked_on_a_group_queue_wake_when_another_fails_without_a_callback():
+    group = WorkerGroup()
+    inbox = group.queue()
+    blocked = threading.Barrier(4)
+
+    class Waiter(Counter):
+        def step(self):
+            blocked.wait(30)
+            inbox.get()  # nothing ever arrives: only the group's failure ends this wait
+
+    class Failer(Counter):
+        def step(self):
+            blocked.wait(30)
+            raise ValueError("boom after the others blocked")
+
+    for i in range(3):
+        group.add(Waiter(name=f"waiter-{i}"))
+    group.add(Failer(name="failer"))
+    group.start()
+    with pytest.raises(WorkerError, match="'failer'") as info:
+        group.join(30)
+    assert all(not w.is_alive() for w in group.workers)
+    assert all(w.exception is None for w in group.workers[:3])  # woken, not failed
+    assert "also failed" not in str(getattr(info.value, "__notes__", ""))
+
+
+def test_a_group_queue_passes_items_and_honours_timeouts():
+    import queue
+
+    q = WorkerGroup().queue(maxsize=1)
+    q.put(1)
+    with pytest.raises(queue.Full):
+        q.put(2, timeout=0.05)
+    assert q.get() == 1
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    q.close()
+    with pytest.raises(threadgraph.GroupStopped):
+        q.get()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_serial_setups_skips_the_setups_still_waiting(monkeypatch):
+    import signal
+    import time
+
+    started = threading.Event()
+
+    class SlowSetup(Counter):
+        def setup(self):
+            started.set()
+            self.events.append("setup")
+            time.sleep(0.5)
+
+    workers = [SlowSetup(name=f"slow-{i}") for i in range(4)]
+    group = WorkerGroup(workers)
+    group.start()
+    started.wait(30)
+    threading.Timer(0.1, signal.raise_signal, (signal.SIGINT,)).start()  # Ctrl-C while setup 1 runs
+    with pytest.raises(KeyboardInterrupt):
+        group.join(30)
+    ran = [w.name for w in workers if "setup" in w.events]
+    assert len(ran) == 1, ran  # the one already running; the three queued ones never started
+    assert all("teardown" not in w.events for w in workers if w.name not in ran)
+
+
 def test_group_context_manager_stops_everything_on_ctrl_c():
     workers = [Counter(name=f"w{i}") for i in range(3)]
     with pytest.raises(KeyboardInterrupt):

@@ -15,9 +15,11 @@ import logging
 import os
 import signal
 import sys
+import traceback
 import typing
 
 from .config import CHOICES, TrainConfig
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .metrics import format_phases
 
 
@@ -35,12 +37,13 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
                             help=f"default: {field.default}")
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    as_json = args.pop("json")
+    as_json, debug = args.pop("json"), args.pop("debug")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(**args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     from tqdm import tqdm
 
+    from .checkpoint import RunFinished
     from .train import train
 
     bar = tqdm(desc="dflash", unit="step", dynamic_ncols=True)
@@ -69,14 +73,33 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:
         bar.close()
         saved = getattr(interrupt, "checkpoint", None)  # train.Interrupted, once the workers ran
-        print(f"interrupted: checkpoint saved to {saved}; continue with --resume" if saved is not None else
-              "interrupted: no checkpoint saved (no step completed, or this process does not save)", file=sys.stderr)
-        return 130
+        signum = getattr(interrupt, "signum", signal.SIGINT)
+        name = signal.Signals(signum).name
+        step = getattr(interrupt, "step", None)
+        if saved is not None:
+            message = f"stopped by {name}: checkpoint saved to {saved}; continue with --resume"
+        elif step is not None:  # another process (rank 0) saved it
+            message = f"stopped by {name} after step {step}; rank 0 saves the checkpoint, not this process"
+        else:
+            message = f"stopped by {name}: no checkpoint saved (no step completed yet)"
+        print(message, file=sys.stderr)
+        return 128 + signum
+    except RunFinished as done:
+        bar.close()
+        print(f"dflash: {done}", file=sys.stderr)
+        return 0
     except Exception as err:  # one clear line for humans; the cause chain is in the log above
         bar.close()
+        if debug:
+            traceback.print_exc()
+        bad = _bad_input(err)
+        if bad is not None:
+            print(f"error: {bad}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         cause = err.__cause__ or err
-        print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
-        return 1
+        print(f"error: {type(cause).__name__}: {cause}" + ("" if debug else " (--debug prints the traceback)"),
+              file=sys.stderr)
+        return EXIT_FAILED
     bar.close()
     if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
         sys.stdout.flush()
@@ -84,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _print_summary(results)
     return 0
+
+
+def _bad_input(err: BaseException) -> BadInput | None:
+    """The BadInput behind ``err`` (also when a worker thread raised it), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, BadInput):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _print_summary(r: dict) -> None:

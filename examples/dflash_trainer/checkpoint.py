@@ -1,15 +1,23 @@
 """Atomic, resumable checkpoints: drafter weights, optimiser, schedule, RNG, and the run's settings.
 
-Layout under `root`: `step_00000100/{model.safetensors, state.pt}` plus a `latest` file naming
-the newest step directory. A step directory is written under a temporary name and renamed, and
-`latest` is replaced atomically, so a crash mid-save leaves the previous checkpoint usable.
+Layout under `root`: `step_00000100/{model.safetensors, state.pt, manifest.json}` plus a `latest`
+file naming the newest step directory. A step directory is written under a temporary name, each
+file fsynced, then renamed, and `latest` is written, fsynced and renamed over the old one, so a
+crash (or power loss) mid-save leaves the previous checkpoint usable.
+
+The manifest records the step, the run's fingerprint (the settings that fix the model and the
+data order, the worker topology included) and the size and SHA-256 of every file. Loading checks
+all of it; any mismatch is a CheckpointError naming the file and the newest checkpoint that
+still verifies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -19,22 +27,39 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import TrainConfig
+from .errors import BadInput
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
+MANIFEST = "manifest.json"
 LATEST = "latest"
-# Fields that must match between a checkpoint and the run resuming from it.
+_STEP_DIR = re.compile(r"step_(\d{8})")
+# Fields that must match between a checkpoint and the run resuming from it. `targets`, `drafters`,
+# `batch_size`, `seed` and the process count (added by the Checkpointer) fix the data order.
 RESUME_KEYS = ("target", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
-               "batch_size", "drafters", "seed", "lr", "epochs", "max_steps")
+               "batch_size", "targets", "drafters", "seed", "lr", "epochs", "max_steps")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint file is missing, corrupt or does not fit the model; the message names it."""
+
+
+class ResumeMismatch(BadInput, ValueError):
+    """``--resume`` with settings other than the checkpoint's; the message lists them."""
+
+
+class RunFinished(Exception):
+    """``--resume`` of a run whose checkpoint is already at its last step: nothing to train."""
+
+    def __init__(self, checkpoint: Path, step: int) -> None:
+        super().__init__(f"the run in {checkpoint.parent.parent} already finished: {checkpoint} is step {step}, "
+                         f"its last; nothing to train (start a new run with a new --out-dir)")
+        self.checkpoint, self.step = checkpoint, step
 
 
 def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
                     optimizer: torch.optim.Optimizer | None, scheduler: Any,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, fingerprint: dict | None = None) -> Path:
     """Write checkpoint `step` under `root`; returns its directory.
 
     `extra` must be plain Python data (dicts, lists, numbers, strings, tensors): it is loaded
@@ -60,24 +85,106 @@ def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
         "extra": extra or {},
         "rng": _rng_state(),
     }, tmp / STATE)
+    files = {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in (WEIGHTS, STATE)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "fingerprint": fingerprint or {}, "files": files},
+                                           indent=1, sort_keys=True) + "\n")
+    for f in (WEIGHTS, STATE, MANIFEST):
+        _fsync(tmp / f)
+    _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
     os.replace(tmp, final)
+    _fsync(root)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name + "\n")
+    _fsync(pointer)
     os.replace(pointer, root / LATEST)
+    _fsync(root)
     return final
 
 
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check a step directory against its manifest (present, readable, the step its name says,
+    every file's size and SHA-256); returns the manifest. Raises CheckpointError naming the file."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete, or not written by this trainer)")
+    try:
+        manifest = json.loads(manifest_file.read_bytes().decode("utf-8"))
+        step, files = int(manifest["step"]), dict(manifest["files"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint file {manifest_file} is corrupt ({type(err).__name__}: {err})") from None
+    named = _STEP_DIR.fullmatch(path.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"checkpoint {path} holds step {step} (see {manifest_file}), not the step its name says; "
+                              f"it was copied or renamed")
+    for name in (WEIGHTS, STATE):
+        file, want = path / name, files.get(name)
+        if want is None:
+            raise CheckpointError(f"checkpoint file {manifest_file} does not list {name}")
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint file {file} is corrupt: {size} bytes, {manifest_file} says "
+                                  f"{want['size']} (truncated or replaced)")
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointError(f"checkpoint file {file} is corrupt: its SHA-256 differs from the one in "
+                                  f"{manifest_file} (damaged or replaced)")
+    return manifest
+
+
+def step_directories(root: str | Path) -> list[Path]:
+    """The step directories under `root`, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)), reverse=True)
+
+
+def nearest_good(root: str | Path, *, exclude: Optional[Path] = None) -> Optional[Path]:
+    """The newest step directory under `root` (other than `exclude`) that verifies."""
+    for path in step_directories(root):
+        if exclude is not None and path.name == exclude.name:
+            continue
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def _fix(root: Path, bad: Optional[Path] = None) -> str:
+    """The fix for a bad checkpoint: the newest good one to point `latest` at, if there is one."""
+    good = nearest_good(root, exclude=bad)
+    if good is None:
+        return ("no other checkpoint verifies; start a fresh run (a new --out-dir, or --overwrite to discard "
+                "this one)")
+    return f"the nearest good checkpoint is {good}: resume from it with `echo {good.name} > {root / LATEST}` and --resume"
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The directory `latest` points to, or None when `root` holds no checkpoint yet."""
-    pointer = Path(root) / LATEST
+    """The directory `latest` points to, or None when `root` holds no checkpoint yet (no `latest`
+    and no step directory). A `latest` that is missing beside step directories, empty, garbled or
+    naming a missing directory is a CheckpointError naming the nearest good checkpoint."""
+    root = Path(root)
+    pointer = root / LATEST
     if not pointer.is_file():
+        if step_directories(root):
+            raise CheckpointError(f"{pointer} is missing but {root} holds step directories; {_fix(root)}")
         return None
-    path = Path(root) / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if not name or not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer} is {'empty' if name == '' else 'garbled'}: it should hold one "
+                              f"step_NNNNNNNN name; {_fix(root)}")
+    path = root / name
     if not path.is_dir():
-        raise CheckpointError(f"{pointer} names {path}, which does not exist; delete {pointer} "
-                              f"or point it at an existing step_* directory")
+        raise CheckpointError(f"{pointer} names {path}, which does not exist; {_fix(root)}")
     return path
 
 
@@ -95,8 +202,12 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
             raise CheckpointError(f"no checkpoint at {path}: neither {path / WEIGHTS} nor "
                                   f"{path / LATEST} exists; check the path or start without resume")
         path = found
+    manifest = _verified(path)
     weights = _read(path / WEIGHTS, lambda f: load_file(str(f), device="cpu"))
     state = read_state(path)
+    if int(state["step"]) != int(manifest["step"]):
+        raise CheckpointError(f"checkpoint file {path / STATE} is step {state['step']} but {path / MANIFEST} "
+                              f"says {manifest['step']}; {_fix(path.parent, path)}")
     try:
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as err:
@@ -116,12 +227,18 @@ def read_state(path: str | Path) -> dict:
 
 
 class Checkpointer:
-    """A run's checkpoint directory: the checkpoint ``--resume`` starts from (refused when it was
-    written with other settings), restoring a replica from it, and saving."""
+    """A run's checkpoint directory: the checkpoint ``--resume`` starts from (verified against its
+    manifest, and refused when it was written with other settings or topology), restoring a
+    replica from it, and saving.
 
-    def __init__(self, directory: str | Path, config: TrainConfig) -> None:
+    ``topology`` adds what the config does not hold but the data order depends on (the number of
+    processes, the number of samples)."""
+
+    def __init__(self, directory: str | Path, config: TrainConfig, topology: Optional[dict] = None) -> None:
         self.directory = Path(directory)
         self.config = config
+        mine = config.to_dict()
+        self.fingerprint = {**{k: mine[k] for k in RESUME_KEYS}, **(topology or {})}
         self.resume_from: Optional[Path] = self._resume_path() if config.resume else None
         self.start_step = self._checked_step(self.resume_from) if self.resume_from is not None else 0
         self.saved: Optional[Path] = None  # the newest checkpoint this run wrote
@@ -133,24 +250,59 @@ class Checkpointer:
 
     def save(self, step: int, drafter: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
         self.saved = save_checkpoint(self.directory, step, drafter, optimizer, scheduler,
-                                     {"config": json.dumps(self.config.to_dict())})
+                                     {"config": json.dumps(self.config.to_dict())}, fingerprint=self.fingerprint)
         return self.saved
 
     def _resume_path(self) -> Path:
         path = latest_checkpoint(self.directory)
         if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.directory}; run without --resume to start fresh")
+            raise CheckpointError(f"--resume: no checkpoint under {self.directory} (no {LATEST}, no step_* directory); "
+                                  f"check --out-dir, or drop --resume to start a new run there")
         return path
 
     def _checked_step(self, path: Path) -> int:
+        manifest = _verified(path)
+        saved = dict(manifest.get("fingerprint") or {})
         state = read_state(path)
-        saved = json.loads(state.get("extra", {}).get("config", "{}"))
-        mine = self.config.to_dict()
-        differ = {k: (saved.get(k), mine[k]) for k in RESUME_KEYS if k in saved and saved[k] != mine[k]}
+        if not saved:  # written by save_checkpoint without a fingerprint: fall back on the saved config
+            saved = json.loads(state.get("extra", {}).get("config", "{}"))
+        differ = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k in saved and saved[k] != v}
         if differ:
-            raise ValueError(f"--resume: checkpoint {path} was written with different settings {differ} (saved, now); "
-                             "resume with the same settings or use a new --out-dir")
+            raise ResumeMismatch(f"--resume: checkpoint {path} was written with different settings {differ} (saved, now); "
+                                 "resume with the same settings or use a new --out-dir")
+        if int(state["step"]) != int(manifest["step"]):
+            raise CheckpointError(f"checkpoint file {path / STATE} is step {state['step']} but {path / MANIFEST} "
+                                  f"says {manifest['step']}; {_fix(path.parent, path)}")
         return int(state["step"])
+
+
+def _verified(path: Path) -> dict:
+    try:
+        return verify_checkpoint(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; {_fix(path.parent, path)}") from None
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's contents to disk (directories: their entries, i.e. renames)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a directory cannot be opened on some platforms (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _read(file: Path, loader: Any) -> Any:

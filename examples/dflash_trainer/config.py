@@ -44,6 +44,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     checkpoint_every: int = 100  # 0 disables periodic checkpoints
     resume: bool = False
+    overwrite: bool = False  # a fresh run into an --out-dir that holds a run deletes that run
     seed: int = 0
     compile: str = "auto"  # auto = reduce-overhead on CUDA, eager on CPU (policy.ExecutionPolicy)
     # With reduce-overhead: "trees" = CUDAGraph Trees per compiled region; "whole-step" = the
@@ -56,6 +57,9 @@ class TrainConfig:
     # How long a thread may hold the GIL while others wait (sys.setswitchinterval); None = Python's
     # (5 ms). A knob for experiments: the GIL is handed over at every eager op anyway.
     gil_switch_interval_ms: float | None = None
+    # Under torchrun: how long a rank waits for the others at a gradient average (or a setup
+    # barrier) before the job fails naming the ranks that stopped making progress (NCCL and gloo).
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("targets", "drafters", "seq_len", "num_anchors", "num_draft_layers",
@@ -66,6 +70,9 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum=0)
         # Block size 1 has no draft token to train: every output would be the anchor itself.
         _check_int("block_size", self.block_size, minimum=2)
+        if self.num_anchors > self.seq_len - 1:  # every step computes num_anchors * block_size tokens
+            raise ValueError(f"num_anchors={self.num_anchors} exceeds the seq_len={self.seq_len} - 1 positions an anchor "
+                             f"can take (the rest would be padding, computed at full cost); lower --num-anchors")
         if self.num_target_layers_used is not None:
             _check_int("num_target_layers_used", self.num_target_layers_used, minimum=1)
         if self.max_steps is not None:
@@ -82,8 +89,13 @@ class TrainConfig:
         _check_choice("compile", self.compile, _COMPILE_MODES)
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("cuda_graphs", self.cuda_graphs, _CUDA_GRAPHS)
-        if not isinstance(self.resume, bool):
-            raise ValueError(f"resume must be true or false, got {self.resume!r}")
+        for name in ("resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite contradict each other: --resume continues the run in --out-dir, "
+                             "--overwrite deletes it; pass one")
+        _check_float("collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True)
         for name in ("target", "data", "devices"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .errors import BadInput
 from .loss import anchor_scores
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ _FORMATS = ('{"prompt": str, "response": str}, {"messages": [{"role": str, "cont
             '...]} or {"input_ids": [int, ...], "loss_mask": [0/1, ...]}')
 
 
-class DataError(ValueError):
+class DataError(BadInput, ValueError):
     """A bad training record; the message names the file and 1-based line."""
 
 
@@ -51,9 +52,13 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; pass a JSONL file ({_FORMATS})")
-    with path.open(encoding="utf-8") as lines:
-        return tokenize_lines(lines, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
-                              vocab_size=vocab_size, pad_id=pad_id)
+    try:
+        with path.open(encoding="utf-8") as lines:
+            return tokenize_lines(lines, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
+                                  vocab_size=vocab_size, pad_id=pad_id)
+    except UnicodeDecodeError as err:
+        raise DataError(f"data file {path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a JSONL "
+                        f"file ({_FORMATS})") from None
 
 
 def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len: int,

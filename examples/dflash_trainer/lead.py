@@ -3,6 +3,8 @@ the training metrics (every process), evaluate tau and save a checkpoint (proces
 
 They run on replica 0's thread because they read its weights at a step boundary: the other
 replicas wait for it at the next gradient average, so nothing changes the weights meanwhile.
+A stop request (SIGINT/SIGTERM, see train.StopSignals) is honoured there too: the lead saves a
+checkpoint of the step just completed and stops the workers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class Lead:
         self.replica: Optional[DrafterReplica] = None
         self.baseline: Optional[dict] = None
         self.eval: Optional[dict] = None
+        self.stepping = False  # set by replica 0's first step: every setup has returned
+        # Set by train(): whether to stop after this step (every rank answers alike), and how.
+        self.should_stop: Callable[[], bool] = lambda: False
+        self.on_stop: Callable[[], None] = lambda: None
+        self.stopped_at: Optional[int] = None  # the step after which a stop request ended the run
 
     def setup(self, replica: DrafterReplica, device: torch.device) -> None:
         """In replica 0's setup: the evaluator's target, and tau before training (fresh runs)."""
@@ -41,7 +48,9 @@ class Lead:
         done = replica.step
         last = done == replica.total_steps
         evaluate = self.evaluator is not None and (done % self.eval_every == 0 or last)
-        save = self.checkpointer is not None and ((self.checkpoint_every and done % self.checkpoint_every == 0) or last)
+        stop = not last and self.should_stop()
+        save = self.checkpointer is not None and ((self.checkpoint_every and done % self.checkpoint_every == 0)
+                                                  or last or stop)
         if self.log.due(done) or last or evaluate or save:
             self.log.flush(replica.history, done)
         if evaluate:
@@ -51,6 +60,9 @@ class Lead:
             self._save(replica, done)
         if evaluate or save:  # tokens/s counts training, not evaluation or saving
             self.log.restart_window()
+        if stop:
+            self.stopped_at = done
+            self.on_stop()
 
     def save_on_interrupt(self) -> Optional[Path]:
         """After Ctrl-C: checkpoint the steps replica 0 completed (its step boundary is consistent);

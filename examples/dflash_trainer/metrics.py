@@ -129,6 +129,7 @@ class TrainingLog:
         self.lr_at, self.base_lr, self.checkpoint_dir = lr_at, base_lr, checkpoint_dir
         self.metrics, self.progress = metrics, progress
         self.logged = start_step  # steps already logged
+        self.start_step = start_step
         self.last: dict = {}
         self.losses: list[float] = []
         self._steady_tokens, self._steady_seconds = 0, 0.0
@@ -143,9 +144,18 @@ class TrainingLog:
         now = time.perf_counter()
         for offset, row in enumerate(rows):
             if not all(math.isfinite(v) for v in row):
+                step = self.logged + offset + 1
+                values = dict(zip(self.names, row))
+                if self.start_step and step == self.start_step + 1:  # at once after a resume: the checkpoint
+                    raise TrainingDiverged(
+                        f"step {step}: loss or gradient norm is not finite ({values}) on the first step after resuming "
+                        f"from step {self.start_step}: that checkpoint's weights are likely bad; point "
+                        f"{self.checkpoint_dir}/latest at an earlier step_* directory and --resume, or start a new run"
+                    )
                 raise TrainingDiverged(
-                    f"step {self.logged + offset + 1}: loss or gradient norm is not finite ({dict(zip(self.names, row))}); "
-                    f"lower --lr (now {self.base_lr}) or check the data; resume from {self.checkpoint_dir} if a checkpoint exists"
+                    f"step {step}: loss or gradient norm is not finite ({values}); lower --lr (now {self.base_lr}) "
+                    f"or check the data, and start a new run, or --resume from a checkpoint in {self.checkpoint_dir} "
+                    f"written before step {step} (no checkpoint is written after a non-finite step)"
                 )
         tokens = len(rows) * self.tokens_per_step
         tokens_per_s = tokens / max(now - self._window_start, 1e-9)

@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from .errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -28,13 +30,16 @@ def available_devices(requested: list[str]) -> list[str]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [f"cuda:{i}" for i in range(count)] or ["cpu"]
     for device in requested:
-        kind = torch.device(device).type
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise InputError(f"--devices entry {device!r} is not a device; write e.g. 'cpu' or 'cuda:0,cuda:1'") from None
         if kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--devices asks for {device}, but torch sees no GPU; use --devices cpu")
+            raise InputError(f"--devices asks for {device}, but torch sees no GPU; use --devices cpu")
         if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--devices asks for {device}; this machine has {torch.cuda.device_count()} GPU(s)")
+            raise InputError(f"--devices asks for {device}; this machine has {torch.cuda.device_count()} GPU(s)")
         if kind not in ("cuda", "cpu"):
-            raise ValueError(f"--devices entry {device!r} is neither cpu nor cuda:N")
+            raise InputError(f"--devices entry {device!r} is neither cpu nor cuda:N")
     return requested
 
 

@@ -16,6 +16,7 @@ import torch
 import threadgraph
 
 from .config import TrainConfig
+from .errors import InputError
 
 MODES = ("eager", "reduce-overhead", "whole-step")
 
@@ -31,10 +32,10 @@ class ExecutionPolicy:
         CUDA graphs asked for on a CPU are an error, not a silent fallback."""
         on_cuda = devices[0].startswith("cuda")
         if config.compile == "reduce-overhead" and not on_cuda:
-            raise ValueError("--compile reduce-overhead needs CUDA devices (CUDA graphs); use --compile eager on a CPU")
+            raise InputError("--compile reduce-overhead needs CUDA devices (CUDA graphs); use --compile eager on a CPU")
         compiled = config.compile == "reduce-overhead" or (config.compile == "auto" and on_cuda)
         if config.cuda_graphs == "whole-step" and not compiled:
-            raise ValueError("--cuda-graphs whole-step needs CUDA devices and --compile auto or reduce-overhead")
+            raise InputError("--cuda-graphs whole-step needs CUDA devices and --compile auto or reduce-overhead")
         mode = "eager" if not compiled else ("whole-step" if config.cuda_graphs == "whole-step" else "reduce-overhead")
         bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and on_cuda)
         return cls(mode=mode, bf16=bf16)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import InputError, MissingInput
 from .model import target_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -174,12 +175,12 @@ def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:
 def _checked_dir(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"target directory {path} does not exist; pass a local HF model directory "
             f"(with config.json and weights) or leave target unset for the embedded default"
         )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{path / 'config.json'} is missing; the target must be a HF model directory "
             f"as written by save_pretrained()"
         )
@@ -195,7 +196,7 @@ def _check_layout(model: nn.Module) -> None:
         ("model.lm_head", hasattr(model, "lm_head")),
     ) if not ok]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"unsupported target {type(model).__name__}: missing {missing}; DFlash needs a HF "
             f"causal LM with the Qwen3/Llama layout (e.g. Qwen3ForCausalLM, LlamaForCausalLM)"
         )

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
 import threadgraph
 
-from . import distributed
+from . import distributed, outdir
+from .channel import ChannelClosed
 from .config import TrainConfig
 from .lead import Lead
 from .metrics import MetricsLogger
@@ -23,21 +26,67 @@ log = logging.getLogger("dflash")
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C stopped the run; ``checkpoint`` is the one saved on the way out, or None."""
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run; ``checkpoint`` is the one saved on the way out,
+    or None; ``signum`` the signal; ``step`` the step the run stopped after, if it got that far."""
 
-    def __init__(self, checkpoint: Optional[Path]) -> None:
+    def __init__(self, checkpoint: Optional[Path], signum: int = signal.SIGINT, step: Optional[int] = None) -> None:
         super().__init__(checkpoint)
-        self.checkpoint = checkpoint
+        self.checkpoint, self.signum, self.step = checkpoint, signum, step
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while a run trains: the first asks the lead to checkpoint at the next
+    step boundary and stop (under torchrun every rank agrees on that step, see
+    GradientAverager); more signals meanwhile (torchrun sends SIGINT and SIGTERM together) are
+    ignored, so the save is not cut short. Before the first step (setup: nothing to save) the
+    first signal raises KeyboardInterrupt at once. Installed only from the main thread."""
+
+    def __init__(self) -> None:
+        self.lead: Optional[Lead] = None  # set once the workers exist
+        self.signum: Optional[int] = None
+        self.requested = threading.Event()
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            log.warning("dflash: %s: already stopping after %s; waiting for the checkpoint", name,
+                        signal.Signals(self.signum).name)
+            return
+        self.signum = signum
+        if self.lead is None or not self.lead.stepping:
+            raise Interrupted(None, signum)
+        log.warning("dflash: %s: saving a checkpoint at the next step boundary, then stopping", name)
+        self.requested.set()
 
 
 def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> dict:
-    distributed.init_from_env()
+    with StopSignals() as signals:  # from the start: a stop during setup ends the run at once
+        return _train(config, progress, signals)
+
+
+def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> dict:
+    outdir.prepare(config, leader=distributed.rank_env() == 0)
+    distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
     placement = place(config.targets, config.drafters, parts.devices)
     handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
-    averager = GradientAverager(config.drafters)
     leader = parts.rank == 0
-    metrics = MetricsLogger(Path(config.out_dir) / "metrics.jsonl") if leader else None
+    watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
+    averager = GradientAverager(config.drafters, stop_requested=signals.requested.is_set, watchdog=watchdog)
+    if leader and parts.start_step:
+        outdir.cut_metrics(Path(config.out_dir) / outdir.METRICS, parts.start_step)
+    metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
     lead = Lead(parts.training_log(metrics, progress), start_step=parts.start_step,
                 evaluator=parts.evaluator if leader and config.eval_every else None, eval_every=config.eval_every,
                 checkpointer=parts.checkpointer if leader else None, checkpoint_every=config.checkpoint_every)
@@ -48,19 +97,39 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker
+    signals.lead = lead
+    # Alone, a stop request is this process's; across processes, the sum the averager reduced.
+    lead.should_stop = (lambda: averager.stop_agreed) if parts.world > 1 else signals.requested.is_set
+
+    def stop_workers() -> None:  # on replica 0's thread, at the step boundary, after the save
+        group.stop()
+        handoff.fail(ChannelClosed("the run is stopping"))
+        averager.abort()
+
+    lead.on_stop = stop_workers
     log.info("dflash: %s; %d steps; %s", placement.describe(), parts.schedule.total_steps, parts.policy.mode)
     finished = False
     try:
         with _switch_interval(config.switch_interval_s):
             group.start()
             group.join()
-        finished = True
-    except KeyboardInterrupt as interrupt:
-        raise Interrupted(lead.save_on_interrupt()) from interrupt
+        finished = lead.stopped_at is None
+    except KeyboardInterrupt as interrupt:  # a signal before the first step, or a caller's
+        raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT) from interrupt
+    except Exception:
+        if signals.signum is not None and parts.world > 1:  # a peer that left first, while stopping
+            log.exception("dflash: while stopping")
+            raise Interrupted(None, signals.signum) from None
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.close()
         if metrics is not None:
             metrics.close()
-        distributed.shutdown(finished)
+        distributed.shutdown(finished or lead.stopped_at is not None)
+    if lead.stopped_at is not None:
+        saved = lead.checkpointer.saved if lead.checkpointer is not None else None
+        raise Interrupted(saved, signals.signum or signal.SIGTERM, lead.stopped_at)
     return {
         "rank": parts.rank, "world": parts.world, "total_steps": parts.schedule.total_steps,
         "start_step": parts.start_step, **lead.results(),

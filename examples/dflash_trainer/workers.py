@@ -4,6 +4,7 @@ DrafterReplica on the batches the hand-off routes to it."""
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -14,8 +15,12 @@ from .data import ShardBatches
 from .lead import Lead
 from .metrics import PhaseTimes
 from .replica import DrafterReplica
+from .channel import ChannelClosed
 from .routing import GradientAverager, Handoff
 from .target_stage import TargetStage
+
+# What a worker blocked on a peer sees when the run stops at a step boundary: not a failure.
+_WOKEN = (ChannelClosed, threading.BrokenBarrierError)
 
 
 class TargetWorker(threadgraph.CompiledWorkerThread):
@@ -41,7 +46,12 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
         self.phases.mark("prepare")
         item = self.stage.forward(*inputs)
         self.phases.mark("forward")
-        self.handoff.put(b, item)
+        try:
+            self.handoff.put(b, item)
+        except _WOKEN:
+            if self.stopping:  # the run stopped (or a peer failed): leave quietly
+                return
+            raise
         self.phases.mark("hand_off")
 
 
@@ -65,12 +75,19 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         if replica.finished:
             self.stop()
             return
+        if self.lead is not None:
+            self.lead.stepping = True
         self.phases.begin()
-        batch = self.handoff.get(self.index, self.device)
-        self.phases.mark("wait_batch")
-        replica.forward_backward(batch)
-        self.phases.mark("forward_backward")
-        self.averager.average(self.index, replica.grads)
+        try:
+            batch = self.handoff.get(self.index, self.device)
+            self.phases.mark("wait_batch")
+            replica.forward_backward(batch)
+            self.phases.mark("forward_backward")
+            self.averager.average(self.index, replica.grads)
+        except _WOKEN:
+            if self.stopping:  # the run stopped (or a peer failed): leave quietly
+                return
+            raise
         self.phases.mark("average")
         replica.update()
         self.phases.mark("optimizer")

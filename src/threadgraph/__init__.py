@@ -4,9 +4,11 @@ Public API (everything else is private and may change):
 
 - ``ensure_cudagraph_tls()`` / ``release_cudagraph_tls()``: give the calling thread its CUDAGraph
   Trees state; drop it before the thread ends.
-- ``install()`` / ``uninstall()`` / ``installed()``: the global shim for plain threads.
+- ``install()`` / ``uninstall()`` / ``patched()``: the global shim for plain threads (``patched()``
+  for a block); ``installed()`` says whether it is in place.
 - ``patches()``: which patches exist, what they fix, which are active.
-- ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups.
+- ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups;
+  ``WorkerGroup.queue()`` wakes its blocked workers (``GroupStopped``) when the group fails.
 - ``released()``: give up the device gate's slots around a blocking wait.
 - ``outside_captures()``: run a block of eager CUDA work the fence does not see outside captures.
 - ``capture_step()``: a whole training step replayed as one CUDA graph.
@@ -15,11 +17,11 @@ Public API (everything else is private and may change):
 from ._errors import CaptureConflictError, GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
 from ._fence import outside_captures
 from ._gate import released
-from ._patches import install, installed, patches, uninstall
+from ._patches import install, installed, patched, patches, uninstall
 from ._stats import StepStats
 from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
 from ._wholestep import CaptureError, StepGraph, capture_step
-from ._worker import CompiledWorkerThread, WorkerGroup
+from ._worker import CompiledWorkerThread, GroupStopped, WorkerGroup
 
 __version__ = "0.1.0"
 
@@ -36,9 +38,11 @@ __all__ = [
     "UnsupportedTorchError",
     "WorkerError",
     "WorkerGroup",
+    "GroupStopped",
     "ensure_cudagraph_tls",
     "install",
     "installed",
+    "patched",
     "outside_captures",
     "patches",
     "release_cudagraph_tls",

@@ -317,15 +317,19 @@ def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
+def patched() -> Iterator[None]:
     """``install()`` for the duration of a block; uninstalls only what this block installed."""
-    was_active = {p["name"] for p in _registry.describe() if p["active"]}
-    install()
+    applied = install()
     try:
         yield
     finally:
-        if not was_active:
-            uninstall()
+        if applied:
+            uninstall(applied)
+
+
+def installed() -> bool:
+    """Whether threadgraph's patches are in place (any active; ``patches()`` says which)."""
+    return any(p["active"] for p in _registry.describe())
 
 
 def patches() -> list[dict[str, Any]]:

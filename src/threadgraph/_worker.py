@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from typing import Callable, Iterable, Optional, Union
@@ -12,7 +13,7 @@ import torch
 
 from ._errors import ThreadgraphError, WorkerError
 from ._fence import explain_capture_conflict
-from ._gate import gate_for
+from ._gate import gate_for, released
 from ._patches import install
 from ._stats import StepStats, StepTimer
 from ._tls import WorkerState, bind_worker, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
@@ -128,17 +129,29 @@ class CompiledWorkerThread(threading.Thread):
         timer = StepTimer(self.device)
         error: Optional[BaseException] = None
         failed_in = None
+        skipped = False
         try:
             self._phase = "setup"
             self._bind()
             with self._setup_turn(), self.gate():  # the turn first: a queued worker holds no slot
-                self.setup()
+                # stopped (Ctrl-C, a failed peer) while waiting its turn: the setup does not run
+                skipped = self.stopping
+                if not skipped:
+                    self.setup()
             if self._group is not None:
                 self._group._wait_for_setups(self)
-            self._phase = "step"
-            self._loop(timer, started)
+            if not skipped:
+                self._phase = "step"
+                self._loop(timer, started)
+        except GroupStopped:
+            if not self.stopping:
+                raise  # not this group's wake-up: a bug
         except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
             error, failed_in = _clear_capture_conflict(exc, self.device), self._phase
+        if skipped and error is None:
+            log.debug("threadgraph: worker %s stopped before its setup ran", self.name)
+            release_cudagraph_tls()
+            return
         try:
             self._phase = "teardown"
             with self.gate():  # CUDA work of this thread, event syncs included, holds the slot
@@ -226,12 +239,66 @@ def _add_note(error: BaseException, note: str) -> None:
         log.error("threadgraph: %s", note)
 
 
+class GroupStopped(ThreadgraphError):
+    """Raised in a worker blocked on its group's ``queue()`` when the group stops or fails; the
+    worker then ends quietly (it is stopping), and ``join()`` raises the first failure, if any."""
+
+
+class GroupQueue(queue.Queue):
+    """A ``queue.Queue`` owned by a WorkerGroup (``group.queue()``): ``get()`` and ``put()`` wait
+    with the device gate's slots given up (``released()``) and raise GroupStopped in every blocked
+    worker once the group stops or fails, so no ``on_failure`` callback is needed to wake them."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self._stopped = False
+
+    def close(self) -> None:
+        with self.mutex:
+            self._stopped = True
+            self.not_empty.notify_all()
+            self.not_full.notify_all()
+
+    def _wait(self, condition: threading.Condition, ready: Callable[[], bool], block: bool,
+              timeout: Optional[float], empty: type) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            if self._stopped:
+                raise GroupStopped("threadgraph: the worker group stopped while this worker waited on its queue")
+            if not block:
+                raise empty
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise empty
+            condition.wait(left)
+        if self._stopped:
+            raise GroupStopped("threadgraph: the worker group stopped while this worker waited on its queue")
+
+    def get(self, block: bool = True, timeout: Optional[float] = None):
+        with released(), self.not_empty:
+            self._wait(self.not_empty, lambda: self._qsize() > 0, block, timeout, queue.Empty)
+            item = self._get()
+            self.not_full.notify()
+            return item
+
+    def put(self, item, block: bool = True, timeout: Optional[float] = None) -> None:
+        with released(), self.not_full:
+            if self.maxsize > 0:
+                self._wait(self.not_full, lambda: self._qsize() < self.maxsize, block, timeout, queue.Full)
+            elif self._stopped:
+                raise GroupStopped("threadgraph: the worker group stopped")
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+
+
 class WorkerGroup:
     """Start, stop and join many workers, fail-fast.
 
-    The first failure stops every other worker, runs the failure callbacks (close your queues
-    there so blocked peers wake up) and is re-raised from ``join()``. As a context manager it
-    starts the workers on entry and stops and joins them on exit; Ctrl-C stops everything.
+    The first failure stops every other worker, closes the group's queues (``queue()``: workers
+    blocked on them wake and end), runs the failure callbacks (wake waits of your own there) and
+    is re-raised from ``join()``. As a context manager it starts the workers on entry and stops
+    and joins them on exit; Ctrl-C stops everything, setups still waiting their turn included.
 
     No worker of a started group steps before every worker's ``setup()`` has returned, and with
     ``serial_setup`` (the default) setups run one at a time. Setups load models, and loading
@@ -251,8 +318,16 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._first_failure: Optional[CompiledWorkerThread] = None
         self._on_failure: list[Callable[[BaseException], None]] = []
+        self._queues: list[GroupQueue] = []
         for worker in workers:
             self.add(worker)
+
+    def queue(self, maxsize: int = 0) -> GroupQueue:
+        """A queue between this group's workers that wakes every worker blocked on it when the
+        group stops or fails (GroupQueue)."""
+        q = GroupQueue(maxsize)
+        self._queues.append(q)
+        return q
 
     def add(self, worker: CompiledWorkerThread) -> CompiledWorkerThread:
         if worker.is_alive() or worker.ident is not None:
@@ -277,8 +352,12 @@ class WorkerGroup:
         return self
 
     def stop(self) -> None:
+        """Ask every worker to finish after its current step, and wake those blocked on the
+        group's queues."""
         for worker in self.workers:
             worker.stop()
+        for q in self._queues:
+            q.close()
 
     def _wait_for_setups(self, worker: CompiledWorkerThread) -> None:
         """Count ``worker``'s setup as done; return when all are, or when ``worker`` is stopped."""

@@ -1,0 +1,23 @@
+"""The trainer's one kind of user error: bad input (a flag, a file, a directory) found at any time.
+
+The command line prints its message as one line and exits ``EXIT_BAD_INPUT``, whether the config
+rejected it up front or the run found it later (a corrupt checkpoint, an unreadable data file).
+Each message names the flag or file and the fix. SAFETY.md lists the exit codes.
+"""
+
+from __future__ import annotations
+
+EXIT_BAD_INPUT = 2  # argparse's own code for a bad flag
+EXIT_FAILED = 1  # the run itself failed (a worker raised, the loss diverged, a rank hung)
+
+
+class BadInput(Exception):
+    """Bad input found before or during the run; the message names the flag or file and the fix."""
+
+
+class MissingInput(BadInput, FileNotFoundError):
+    """A file or directory a flag names does not exist."""
+
+
+class InputError(BadInput, ValueError):
+    """A bad flag value found after the config was built (the config's own checks raise ValueError)."""

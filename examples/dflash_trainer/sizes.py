@@ -1,0 +1,93 @@
+"""Size checks before any worker starts: an estimate of the memory a run needs against what is
+free, so a batch that cannot fit is refused in a second instead of being OOM-killed minutes in.
+
+The estimate is deliberately rough (within a factor of about two of the peak on the CPU runs it
+was calibrated on): the weights of every target and drafter copy, each target's forward pass
+activations, the hand-off items in flight, and per drafter step its logits over the vocabulary
+(the largest tensors: block tokens x vocab, several live at once through the loss and its
+backward). Above the free memory the run is refused; above half of it, a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from .config import TrainConfig
+from .errors import BadInput
+
+log = logging.getLogger("dflash")
+
+GiB = 1 << 30
+# Live copies of a drafter step's [tokens, vocab] logits (logits, log-softmax, their gradients,
+# the autocast/fp32 copies), calibrated on CPU runs of the embedded target (SAFETY.md).
+LOGITS_COPIES = 6
+ACTIVATION_COPIES = 4  # per target layer and token, of the hidden and MLP widths, in a forward
+
+
+class TooLarge(BadInput):
+    """The run's memory estimate exceeds the free memory of a device."""
+
+
+def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes the run needs on one device if every worker shares it, by part."""
+    hidden, vocab = model_config.hidden_size, model_config.vocab_size
+    layers = model_config.num_hidden_layers
+    inter = getattr(model_config, "intermediate_size", 4 * hidden)
+    heads = getattr(model_config, "num_attention_heads", 1)
+    b, s = config.batch_size, config.seq_len
+    block_tokens = b * config.num_anchors * config.block_size
+    item = b * s * hidden * config.num_feature_layers * dtype_bytes
+    return {
+        "weights": num_params * dtype_bytes * (config.targets + config.drafters),
+        "target_forward": config.targets * b * s * (ACTIVATION_COPIES * (hidden + inter) * dtype_bytes
+                                                    + (layers + 1) * hidden * dtype_bytes
+                                                    + heads * s * dtype_bytes + vocab * 4),
+        "hand_off": item * (config.targets + config.drafters * config.channel_capacity),
+        "drafter_step": config.drafters * block_tokens * (LOGITS_COPIES * vocab * 4
+                                                          + ACTIVATION_COPIES * (hidden + s) * dtype_bytes
+                                                          * (config.num_draft_layers + 1)),
+    }
+
+
+def free_bytes(device: str) -> Optional[int]:
+    """Free memory of a device (host: MemAvailable), or None when unknown."""
+    if device.startswith("cuda"):
+        try:
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        except Exception:
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype, devices: list[str]) -> dict:
+    """Refuse (TooLarge) or warn before the run starts; returns the estimate by part."""
+    parts = estimate_bytes(config, model_config, num_params, torch.empty((), dtype=dtype).element_size())
+    share = max(1, len(devices))  # workers spread over the devices
+    need = sum(parts.values()) / share
+    for device in dict.fromkeys(devices):
+        free = free_bytes(device)
+        if free is None:
+            continue
+        detail = ", ".join(f"{k} {v / share / GiB:.1f}" for k, v in parts.items())
+        if need > free:
+            raise TooLarge(f"this run needs about {need / GiB:.1f} GiB on {device} ({detail} GiB) but "
+                           f"{free / GiB:.1f} GiB is free; lower --batch-size (now {config.batch_size}), "
+                           f"--seq-len ({config.seq_len}) or --num-anchors ({config.num_anchors})")
+        if need > free / 2:
+            log.warning("dflash: this run needs about %.1f GiB on %s (%s GiB), more than half of the %.1f GiB free",
+                        need / GiB, device, detail, free / GiB)
+    return parts
