@@ -70,6 +70,5 @@ def make_checkpoint(root: Path, target_dir: Path, *, saved_target: str | None, n
                 p.mul_(5.0)  # larger weights so attention is far from uniform
     config = TrainConfig(target=saved_target, data=None if saved_target is None else "data.jsonl",
                          block_size=block_size, num_draft_layers=num_layers, num_target_layers_used=n)
-    path = save_checkpoint(root, 7, drafter, None, None, {"step": 7},
-                           {"config": json.dumps(config.to_dict())})
+    path = save_checkpoint(root, 7, drafter, None, None, {"config": json.dumps(config.to_dict())})
     return path, drafter
