@@ -388,3 +388,16 @@ def test_a_default_cuda_device_is_seen_through_set_default_device(monkeypatch, c
     with torch.device("meta"):  # a default device other than the CPU is a torch-function mode
         torch.rand(2)
     assert seen == ["cpu", "meta"]
+
+
+def _scripted_user_code(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand(3) + F.dropout(x, 0.5) + torch.empty(3).uniform_()
+
+
+def test_torchscript_still_scripts_code_that_calls_fenced_functions(clean_patches):
+    # TorchScript finds builtins by identity and compiles Python functions with their globals.
+    threadgraph.install()
+    threadgraph.uninstall()
+    threadgraph.install()  # a second install puts the same wrappers back
+    scripted = torch.jit.script(_scripted_user_code)
+    assert scripted(torch.ones(3)).shape == (3,)

@@ -261,6 +261,21 @@ def default_device() -> torch.device:
     return getter()
 
 
+def alias_torchscript_builtin(original: Any, replacement: Any) -> None:
+    """Let TorchScript resolve ``replacement`` as the builtin op ``original`` is, where it is one.
+
+    TorchScript looks builtins up by object identity, so a wrapper of ``torch.rand`` would
+    otherwise fail to script. The caller keeps ``replacement`` alive for the process's lifetime:
+    the table is keyed by ``id``, and a freed id could be reused by another object."""
+    builtins = sys.modules.get("torch.jit._builtins") or importlib.import_module("torch.jit._builtins")
+    find, register = getattr(builtins, "_find_builtin", None), getattr(builtins, "_register_builtin", None)
+    if find is None or register is None:
+        return
+    name = find(original)
+    if name is not None:
+        register(replacement, name)
+
+
 def _find_dynamo_compiling() -> Any:
     compiler = getattr(torch, "compiler", None)
     check = getattr(compiler, "is_dynamo_compiling", None)

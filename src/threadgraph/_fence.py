@@ -50,8 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import traceback
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -114,20 +116,40 @@ def _fence_on(index: Optional[int]) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if index is None else fenced(f"cuda:{index}")
 
 
+# One wrapper per (original, rule) for the life of the process: a second install() puts the same
+# object back, and TorchScript's builtin table (keyed by id) never sees a freed wrapper's id.
+_wrappers: dict[tuple[int, Any], Callable] = {}
+_wrapped_originals: list[Callable] = []  # keeps the ids in ``_wrappers`` from being reused
+
+
 def fenced_function(original: Callable, where: Callable[[tuple, dict], Optional[int]] = op_device) -> Callable:
     """A plain function (not a proxy, so Dynamo inlines it) that runs ``original`` inside the fence."""
-    is_tracing = _compat.is_dynamo_compiling
+    key = (id(original), where)
+    if key not in _wrappers:
+        _wrapped_originals.append(original)
+        _wrappers[key] = _make_fenced(original, where)
+        _compat.alias_torchscript_builtin(original, _wrappers[key])
+    return _wrappers[key]
 
-    @functools.wraps(original)
+
+def _make_fenced(original: Callable, where: Callable[[tuple, dict], Optional[int]]) -> Callable:
+    is_tracing, fence = _compat.is_dynamo_compiling, fenced  # closure cells, not globals: see below
+
     def fenced_call(*args: Any, **kwargs: Any) -> Any:
         if is_tracing():  # Dynamo folds this to True and traces the original, unchanged
             return original(*args, **kwargs)
         index = where(args, kwargs)
         if index is None:  # not CUDA work: nothing to order
             return original(*args, **kwargs)
-        with fenced(f"cuda:{index}"):
+        with fence(f"cuda:{index}"):
             return original(*args, **kwargs)
 
+    if inspect.isfunction(original):
+        # TorchScript compiles a Python function from its source (found through __wrapped__) but
+        # resolves its names in the wrapper's globals: give the wrapper the original's.
+        fenced_call = types.FunctionType(fenced_call.__code__, original.__globals__, original.__name__,
+                                         fenced_call.__defaults__, fenced_call.__closure__)
+    functools.update_wrapper(fenced_call, original)
     fenced_call.__threadgraph_original__ = original
     return fenced_call
 
@@ -141,6 +163,10 @@ def _current_or(device: Any) -> Optional[int]:
 def synchronize_device(args: tuple, kwargs: dict) -> Optional[int]:
     """``torch.cuda.synchronize(device=None)``: the device it names, else the current one."""
     return _current_or(args[0] if args else kwargs.get("device"))
+
+
+def fenced_synchronize(original: Callable) -> Callable:
+    return fenced_function(original, synchronize_device)
 
 
 def aten_rng_targets() -> list[str]:

@@ -249,7 +249,7 @@ PATCHES += [
     Patch("fence_rng", "torch:rand", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
           more_targets=_rng_targets, replace=_fence.fenced_function, read=_READ, run=_RUN_FENCE, changes=_FENCE_SAME),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
-          replace=lambda original: _fence.fenced_function(original, _fence.synchronize_device),
+          replace=_fence.fenced_synchronize,
           read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),
     Patch("capture_begin_exclusive", "torch.cuda.graphs:CUDAGraph.capture_begin", "device-wide-capture", "2.1 - 2.15.0",
           _UNTIL_CAPTURE, _NONE, _fence.capture_begin_exclusive, read=_READ, run=_RUN_FENCE, changes=_CAPTURE_SAME),
