@@ -276,6 +276,18 @@ def alias_torchscript_builtin(original: Any, replacement: Any) -> None:
         register(replacement, name)
 
 
+def refresh_dynamo_rules() -> None:
+    """Make Dynamo look torch's functions up again after patches replaced or restored some.
+
+    Dynamo caches a map from torch's function objects to how it traces them; built while the
+    fence's wrappers were in place, it no longer knows the restored originals (and graph-breaks
+    on them), and the other way round. Nothing to do before Dynamo is imported."""
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    clear = getattr(trace_rules, "clear_lru_cache", None)
+    if clear is not None:
+        clear()
+
+
 def _find_dynamo_compiling() -> Any:
     compiler = getattr(torch, "compiler", None)
     check = getattr(compiler, "is_dynamo_compiling", None)

@@ -275,6 +275,8 @@ def install(exclude: frozenset = frozenset()) -> list[str]:
     _compat.check_supported()
     from_env = {name.strip() for name in os.environ.get("THREADGRAPH_EXCLUDE_PATCHES", "").split(",") if name.strip()}
     applied = _registry.install(frozenset(exclude) | from_env)
+    if FENCE_PATCHES & set(applied):
+        _compat.refresh_dynamo_rules()
     if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():
         message = ("threadgraph: install() ran after this thread had already recorded CUDA graphs; graphs "
                    "compiled before install() stay bound to this thread's tree manager. Call install() "
@@ -307,13 +309,15 @@ def _trees_exist_in_this_thread() -> bool:
 
 def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
     """Restore the exact original objects (of the patches in ``names`` only, if given). Returns the names removed."""
-    if names is None:
-        return _registry.uninstall()
-    names = frozenset(names)
-    known = {p["name"] for p in _registry.describe()}
-    if names - known:
-        raise ValueError(f"threadgraph: no patch named {sorted(names - known)}; known: {sorted(known)}")
-    return _registry.uninstall(names)
+    if names is not None:
+        names = frozenset(names)
+        known = {p["name"] for p in _registry.describe()}
+        if names - known:
+            raise ValueError(f"threadgraph: no patch named {sorted(names - known)}; known: {sorted(known)}")
+    removed = _registry.uninstall(names)
+    if FENCE_PATCHES & set(removed):
+        _compat.refresh_dynamo_rules()
+    return removed
 
 
 @contextlib.contextmanager
