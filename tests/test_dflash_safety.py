@@ -26,6 +26,8 @@ from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.outdir import OutDirError
 from examples.dflash_trainer.train import train
 
+import test_dflash_train as train_tests
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
@@ -36,11 +38,8 @@ def tiny_assets(tmp_path_factory):
 
 
 def tiny_config(assets, out_dir, **overrides):
-    values = dict(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
-                  block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
-                  max_steps=STEPS, eval_every=0, checkpoint_every=2, out_dir=str(out_dir), lr=3e-3)
-    values.update(overrides)
-    return TrainConfig(**values)
+    """The trainer tests' tiny config, with this file's run length and checkpoints at steps 2 and 4."""
+    return train_tests.tiny_config(assets, out_dir, **{"max_steps": STEPS, "checkpoint_every": 2, **overrides})
 
 
 def cli_args(assets, out_dir, *extra):
