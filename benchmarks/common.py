@@ -70,11 +70,11 @@ def header_lines(env: dict) -> list[str]:
             f"- {env['cpus']} CPUs, {env['date']}"]
 
 
-def results_stem(env: dict, suffix: str = "") -> str:
-    """`<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>` plus an optional suffix."""
+def results_stem(env: dict, theme: str) -> str:
+    """`<theme>_<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>` (the rule of benchmarks/README.md)."""
     device = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") if env["gpu"] else "cpu"
     version = env["torch"].split("+")[0]
-    return f"{device}_torch{version}_{env['date']}{suffix}"
+    return f"{theme}_{device}_torch{version}_{env['date']}"
 
 
 def results_dir(out_dir: Optional[str]) -> Path:

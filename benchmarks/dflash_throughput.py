@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     text, extra = report(args, env, cfg, results["threaded"], results["sequential"])
     print(text)
     out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, "_dflash-throughput")
+    stem = common.results_stem(env, "dflash-throughput")
     common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
                                              **results, **extra})

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             return 2
         seconds = recorder.finish()
         summary = summarise(recorder.samples("gil"), recorder.samples("wall"))
-        stem = common.results_stem(env, "_gil-profile")
+        stem = common.results_stem(env, "gil-profile")
         for name in ("gil", "wall"):
             shutil.copy(Path(run_dir, f"{name}.txt"), out / f"{stem}_{name}.txt")
     text = report(summary, args, env, seconds)

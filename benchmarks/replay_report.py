@@ -156,7 +156,7 @@ def plot_groups(rows: list[dict], tasks: list[str]) -> dict:
 
 def write_results(args, env: dict, rows: list[dict], started: float, interrupted: bool) -> None:
     out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, ("" if args.model == "small" else "_dflash-step") + ("_gil" if args.gil_profile else ""))
+    stem = common.results_stem(env, "replay-" + args.model + ("-gil" if args.gil_profile else ""))
     rows = [dict(r, date=env["date"]) for r in rows]
     if args.merge_from or args.append:
         rows = merge_previous(Path(args.merge_from) if args.merge_from else out / f"{stem}.json", rows)

@@ -72,15 +72,15 @@ def test_replay_step_time_quick(runs):
     proc, out_dir = runs[0]["replay"]
     stdout = _finish(proc)
     assert "| configuration | mode |" in stdout
-    rows = json.loads(_one(out_dir, "cpu_torch*_????-??-??.json").read_text())["rows"]
+    rows = json.loads(_one(out_dir, "replay-small_cpu_torch*_????-??-??.json").read_text())["rows"]
     assert not [r for r in rows if r.get("error")], rows
     measured = [r for r in rows if r.get("p50_ms") is not None]
     for task in ("train", "infer"):
         assert {r["mode"] for r in measured if r["task"] == task} >= {"eager", "compile"}
         assert {r["placement"] for r in measured if r["task"] == task} >= {"main", "worker", "shared"}
-    md = _one(out_dir, "cpu_torch*_????-??-??.md").read_text()
+    md = _one(out_dir, "replay-small_cpu_torch*_????-??-??.md").read_text()
     assert "| main thread | eager |" in md and "| main thread | compile |" in md
-    assert _one(out_dir, "cpu_torch*_????-??-??.png").stat().st_size > 0
+    assert _one(out_dir, "replay-small_cpu_torch*_????-??-??.png").stat().st_size > 0
 
 
 def test_dflash_throughput_quick(runs):
@@ -90,12 +90,12 @@ def test_dflash_throughput_quick(runs):
     proc, out_dir = procs["dflash"]
     stdout = _finish(proc)
     assert "threaded / sequential tokens/s" in stdout
-    data = json.loads(_one(out_dir, "cpu_torch*_dflash-throughput.json").read_text())
+    data = json.loads(_one(out_dir, "dflash-throughput_cpu_torch*.json").read_text())
     for name in ("threaded", "sequential"):
         assert "error" not in data[name], data[name]
         assert data[name]["tokens_per_s"] > 0
     assert data["ratio"] is not None
-    assert _one(out_dir, "cpu_torch*_dflash-throughput.md").exists()
+    assert _one(out_dir, "dflash-throughput_cpu_torch*.md").exists()
 
 
 def test_gil_profile_quick(runs, tmp_path):
@@ -110,11 +110,11 @@ def test_gil_profile_quick(runs, tmp_path):
     if proc.returncode != 0 and any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "py-spy not found")):
         pytest.skip(f"py-spy cannot sample here: {proc.stderr.strip().splitlines()[-1][:200]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(_one(tmp_path, "cpu_torch*_gil-profile.json").read_text())
+    data = json.loads(_one(tmp_path, "gil-profile_cpu_torch*.json").read_text())
     assert 0 < data["gil_busy"] <= 1.05
     where = {(r["thread"], r["stage"].rsplit(".", 1)[-1]) for r in data["stages"]}  # py-spy may add the class
     assert ("drafter", "forward_backward") in where and ("target", "forward") in where, where
-    assert _one(tmp_path, "cpu_torch*_gil-profile_gil.txt").stat().st_size > 0
+    assert _one(tmp_path, "gil-profile_cpu_torch*_gil.txt").stat().st_size > 0
 
 
 def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkeypatch):
@@ -150,18 +150,18 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     if any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "needs py-spy")):
         pytest.skip(f"py-spy cannot sample here: {proc.stderr.strip().splitlines()[-1][:200]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["placement"]: r for r in json.loads(_one(tmp_path, "cpu_torch*.json").read_text())["rows"]}
+    rows = {r["placement"]: r for r in json.loads(_one(tmp_path, "replay-small-gil_cpu_torch*.json").read_text())["rows"]}
     assert "gil_busy" not in rows["main"]  # the main thread alone is not recorded
     worker = rows["worker"]
     assert not worker.get("error"), worker
     assert 0 < worker["gil_busy"] <= 1.05 and worker["gil_samples"] > 0, worker
     assert worker["gil_leaves"] and abs(sum(share for _, share in worker["gil_files"]) - 1) < 0.5
-    md = _one(tmp_path, "cpu_torch*.md")
+    md = _one(tmp_path, "replay-small-gil_cpu_torch*.md")
     before = md.read_text()
     assert "## Where the GIL goes" in before and "eager, 1 worker thread: GIL busy" in before
     md.unlink()
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--render",
-                    str(_one(tmp_path, "cpu_torch*.json"))], cwd=ROOT, env=_env(), check=True, timeout=120)
+                    str(_one(tmp_path, "replay-small-gil_cpu_torch*.json"))], cwd=ROOT, env=_env(), check=True, timeout=120)
     assert md.read_text() == before
 
 
