@@ -55,12 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from .checkpoint import RunFinished
+    from .startup import describe as describe_startup
     from .train import train
 
     bar = tqdm(desc="dflash", unit="step", dynamic_ncols=True)
 
+    last_startup_line = [0.0]
+
     def progress(record: dict) -> None:
-        if "loss" in record:
+        if "startup" in record:  # before the first step: what each worker is doing
+            line = describe_startup(record["startup"])
+            bar.set_description_str(line.split(";")[0], refresh=False)
+            if record["startup"]["seconds"] - last_startup_line[0] >= 10:  # a line every 10 s, also in logs
+                last_startup_line[0] = record["startup"]["seconds"]
+                tqdm.write(line)
+        elif "loss" in record:
+            if bar.desc != "dflash":
+                bar.set_description_str("dflash", refresh=False)
             bar.n = record["step"]
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         elif "eval_tau" in record:
@@ -135,11 +146,13 @@ def _print_summary(r: dict) -> None:
     if final:
         print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f})")
+    print(f"startup {r['startup_s']:.1f} s to the last worker's first steady step (build {r['build_s']:.1f} s)")
     for name, w in r["workers"].items():
         p50 = f"{w['p50_ms']:.2f} ms" if w["p50_ms"] is not None else "-"
         phases = format_phases(w.get("phases_p50_ms", {}))
-        print(f"  {name:<10} {w['device']:<7} step p50 {p50:>10}  warmup {w['warmup_s']:.1f} s  captures {w['captures']}"
-              + (f"  host ms: {phases}" if phases else ""))
+        print(f"  {name:<10} {w['device']:<7} step p50 {p50:>10}  warmup {w['warmup_s']:.1f} s (compile "
+              f"{w['compile_s']:.1f} s, capture {w['capture_s']:.1f} s, waiting for a peer's compile "
+              f"{w['peer_compile_wait_s']:.1f} s)  captures {w['captures']}" + (f"  host ms: {phases}" if phases else ""))
     print(f"metrics: {r['out_dir']}/metrics.jsonl  checkpoint: {r.get('checkpoint')}")
 
 

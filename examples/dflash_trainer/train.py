@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -20,6 +21,7 @@ from .metrics import MetricsLogger
 from .pipeline import Pipeline
 from .placement import place
 from .routing import GradientAverager, Handoff
+from .startup import StartupMonitor
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")
@@ -76,6 +78,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
 
 
 def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> dict:
+    began = time.perf_counter()
     outdir.prepare(config, leader=distributed.rank_env() == 0)
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
@@ -111,8 +114,13 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
     finished = False
     try:
         with _switch_interval(config.switch_interval_s):
+            built_s = time.perf_counter() - began
             group.start()
-            group.join()
+            monitor = StartupMonitor(group.workers, progress).start()
+            try:
+                group.join()
+            finally:
+                monitor.stop()
         finished = lead.stopped_at is None
     except KeyboardInterrupt as interrupt:  # a signal before the first step, or a caller's
         raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT) from interrupt
@@ -137,8 +145,13 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
         "mode": parts.policy.mode,
         "gil_switch_interval_ms": (config.switch_interval_s or sys.getswitchinterval()) * 1000,
         "target_report": parts.target_report,
+        # From train() to the last worker's end of warmup: build (load, assets) + the slowest warmup.
+        "startup_s": round(built_s + max(w.stats.warmup_seconds for w in group.workers), 2),
+        "build_s": round(built_s, 2),
         "workers": {w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
-                             "warmup_s": round(w.stats.warmup_seconds, 2), "captures": w.stats.captures,
+                             "warmup_s": round(w.stats.warmup_seconds, 2), "compile_s": round(w.stats.compile_seconds, 2),
+                             "capture_s": round(w.stats.capture_seconds, 2),
+                             "peer_compile_wait_s": round(w.stats.turn_wait_seconds, 2), "captures": w.stats.captures,
                              "steps": w.stats.steps, "phases_p50_ms": w.phases.medians(skip=w.warmup_steps)}
                     for w in group.workers},
         "out_dir": str(Path(config.out_dir)),

@@ -52,6 +52,7 @@ import contextlib
 import functools
 import inspect
 import os
+import time
 import traceback
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -61,6 +62,7 @@ import torch
 from . import _compat
 from ._errors import CaptureConflictError
 from ._gate import fenced, gate_for
+from ._tls import current_worker
 
 # Python entry points that draw from a CUDA generator: (owner module path, attribute).
 RNG_FUNCTIONS = {
@@ -213,6 +215,7 @@ def capture_begin_exclusive(wrapped: Callable, instance: Any, args: tuple, kwarg
         gate.release_exclusive()
         raise
     instance._threadgraph_capture_gate = gate
+    instance._threadgraph_capture_began = time.perf_counter()
     return result
 
 
@@ -224,6 +227,16 @@ def capture_end_exclusive(wrapped: Callable, instance: Any, args: tuple, kwargs:
         if gate is not None:
             instance._threadgraph_capture_gate = None
             gate.release_exclusive()
+            _count_capture(time.perf_counter() - instance._threadgraph_capture_began)
+
+
+def _count_capture(seconds: float) -> None:
+    # A capture of the calling worker's own (capture_step, a hand capture). Trees record through
+    # their manager, whose record_function counts them instead; its captures begin inside it.
+    state = current_worker()
+    if state is not None and not state.recording:
+        state.captures += 1
+        state.capture_seconds += seconds
 
 
 # What the CUDA errors of a capture conflict say, and what kind of work each one means.

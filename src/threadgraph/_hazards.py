@@ -112,6 +112,20 @@ HAZARDS: tuple[Hazard, ...] = (
         _compat.has_global_compile_lock,
     ),
     Hazard(
+        "concurrent-first-compile",
+        "Threads that call one compiled function for the first time together each compile it: Dynamo "
+        "looks the frame up in its cache before it takes the compile lock and not again after, so every "
+        "thread that missed compiles the same frame once more (same guards, same graphs; Dynamo logs "
+        "\"Unexpected recompilation: runtime guards failed even though they passed\"). N identical "
+        "workers wait N times for one compilation.",
+        "assumed present: the lookup and the lock are in Dynamo's frame evaluator and convert_frame, "
+        "with no hook to test for a second lookup",
+        "2.1 - 2.15.0 (as read)",
+        f"{RUN_CPU}: 3 workers compiling one module, 3 compiles of its frame without the patch, 1 with it; {READ}",
+        (),
+        "",
+    ),
+    Hazard(
         "stash-steals-reference",
         "`torch._C._stash_obj_in_tls` stores an object without taking a reference: once the caller "
         "drops its own, the stash points at freed memory (read back as an unrelated object).",

@@ -12,17 +12,18 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import _compat, _fence
+from . import _compat, _fence, _first_call
 from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
 from ._registry import Patch, Registry
-from ._tls import current_worker, ensure_cudagraph_tls, worker_for_current_thread
+from ._tls import current_worker, doing, ensure_cudagraph_tls, worker_for_current_thread
 
 log = logging.getLogger("threadgraph")
 
@@ -97,13 +98,20 @@ def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:
     return f"cuda:{index}"
 
 
+_ACTIVITY = {"warmups": "warming up CUDA graphs", "captures": "recording CUDA graphs"}
+
+
 def _exclusive(counter: str | None) -> Callable:
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         device = _device_of(instance, args, kwargs)
-        with gate_for(device).exclusive():
-            state = current_worker()
+        state = current_worker()
+        with gate_for(device).exclusive(), doing(state, _ACTIVITY.get(counter, "preparing CUDA graphs")):
+            started = time.perf_counter()
+            recording = counter == "captures" and state is not None and not state.recording
             if counter and state is not None:
                 setattr(state, counter, getattr(state, counter) + 1)
+            if recording:
+                state.recording = True
             try:
                 return wrapped(*args, **kwargs)
             except RuntimeError as exc:
@@ -111,6 +119,10 @@ def _exclusive(counter: str | None) -> Callable:
                 if clear is None:
                     raise
                 raise clear from exc
+            finally:
+                if recording:
+                    state.recording = False
+                    state.capture_seconds += time.perf_counter() - started
 
     return wrapper
 
@@ -118,6 +130,21 @@ def _exclusive(counter: str | None) -> Callable:
 def _release_slots(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     with released():
         return wrapped(*args, **kwargs)
+
+
+def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # Dynamo's frame callback: it takes the compile lock only on a cache miss, so the slots go
+    # first (hazard global-compile-lock); the time is the worker's compile time.
+    state = current_worker()
+    frame = args[0] if args else None
+    code = getattr(frame, "f_code", None)
+    started = time.perf_counter()
+    with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if state is not None:
+                state.compile_seconds += time.perf_counter() - started
 
 
 _fx_tracing = threading.local()
@@ -218,11 +245,16 @@ PATCHES = [
     # the lock (the second one-GPU DFlash stall on an H200).
     Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__", "global-compile-lock",
           "releases with CatchErrorsWrapper (feature-detected)", "never (the lock is process-wide)",
-          "pytorch/pytorch#105943 (the compile region's one lock)", _release_slots,
+          "pytorch/pytorch#105943 (the compile region's one lock)", _compile_frame,
           applies=lambda: _compat.dynamo_frame_callback() is not None, read=_READ,
           run=_RUN + "; measured with 8 DFlash workers on one GPU",
           changes="2.14 passes `apply_to_code` when it skips a frame; 2.15 as 2.14; `compile_lock` is still one "
                   "process-wide RLock"),
+    Patch("first_call_in_turn", "torch._dynamo.eval_frame:OptimizeContext.__call__", "concurrent-first-compile",
+          "2.1 - 2.15.0", "upstream looks the cache up again once it holds the compile lock", _NONE,
+          _first_call.first_call_in_turn, read=_READ, run=_RUN,
+          changes="`torch.compile` returns `OptimizeContext.__call__(fn)` in 2.13.0, 2.14.1 and 2.15.0; a module "
+                  "becomes an `OptimizedModule` whose `forward` is built by the same call on `Module.__call__`"),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread", "2.1 - 2.15.0",
           "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0"),

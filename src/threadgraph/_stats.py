@@ -19,7 +19,10 @@ class StepStats:
     warmup_steps: int = 0
     warmup_seconds: float = 0.0
     warmups: int = 0  # eager warmup runs in the graph pool
-    captures: int = 0  # graphs recorded
+    captures: int = 0  # graphs recorded (CUDAGraph Trees) or captured (capture_step, by hand)
+    compile_seconds: float = 0.0  # in Dynamo's frame compiles (AOTAutograd and Inductor included)
+    capture_seconds: float = 0.0  # recording or capturing graphs
+    turn_wait_seconds: float = 0.0  # waiting for another thread's first call of the same compiled code
     step_ms: list = dataclasses.field(default_factory=list)
 
     def percentile(self, q: float) -> Optional[float]:
@@ -37,12 +40,12 @@ class StepStats:
         return self.percentile(0.9)
 
     def summary(self) -> str:
+        startup = (f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s (compile {self.compile_seconds:.2f} s, "
+                   f"capture {self.capture_seconds:.2f} s, waiting for a peer's compile {self.turn_wait_seconds:.2f} s), "
+                   f"{self.captures} captures")
         if not self.step_ms:
-            return f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s, {self.captures} captures"
-        return (
-            f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s, {self.captures} captures, "
-            f"step p50 {self.p50_ms:.3f} ms p90 {self.p90_ms:.3f} ms"
-        )
+            return startup
+        return f"{startup}, step p50 {self.p50_ms:.3f} ms p90 {self.p90_ms:.3f} ms"
 
 
 class StepTimer:

@@ -7,6 +7,7 @@ up, recorded and replayed. A plain ``threading.local`` does not travel there.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -66,6 +67,14 @@ class WorkerState:
         self.generation = 0
         self.warmups = 0
         self.captures = 0
+        # Startup, as the worker's own thread spends it: Dynamo frame compiles, graph recording
+        # or capture, waits for another worker's first call of the same compiled code.
+        self.compile_seconds = 0.0
+        self.capture_seconds = 0.0
+        self.turn_wait_seconds = 0.0
+        self.recording = False  # inside a tree manager's record_function (its captures count there)
+        self.activity = "starting"
+        self.activity_since = time.monotonic()
 
     def current_generation(self) -> int:
         # Same rule as CUDAGraphTreeManager.get_curr_generation, on this worker's counters.
@@ -73,6 +82,20 @@ class WorkerState:
 
     def __repr__(self) -> str:
         return f"WorkerState({self.name!r}, device={self.device}, generation={self.current_generation()})"
+
+
+@contextlib.contextmanager
+def doing(state: Optional[WorkerState], what: str) -> Iterator[None]:
+    """Show ``what`` as the worker's activity for the block (nested blocks restore the outer one)."""
+    if state is None:
+        yield
+        return
+    outer = state.activity, state.activity_since
+    state.activity, state.activity_since = what, time.monotonic()
+    try:
+        yield
+    finally:
+        state.activity, state.activity_since = outer
 
 
 _strong = threading.local()  # keeps this thread's WorkerState alive where the stash cannot be cleared

@@ -16,7 +16,7 @@ from ._fence import explain_capture_conflict
 from ._gate import gate_for, released
 from ._patches import install
 from ._stats import StepStats, StepTimer
-from ._tls import WorkerState, bind_worker, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
+from ._tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
 
 log = logging.getLogger("threadgraph")
 
@@ -109,6 +109,14 @@ class CompiledWorkerThread(threading.Thread):
     def exception(self) -> Optional[BaseException]:
         return self._exception
 
+    @property
+    def activity(self) -> tuple[str, float]:
+        """What the worker is doing now and for how many seconds: its setup turn, setup, compiling
+        a frame, waiting for a peer's compile, warming up or recording graphs, warmup steps,
+        stepping. Readable from any thread (a startup progress display polls it)."""
+        state = self.worker_state
+        return state.activity, time.monotonic() - state.activity_since
+
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker; re-raise its exception as WorkerError (the original as cause)."""
         super().join(timeout)
@@ -133,15 +141,20 @@ class CompiledWorkerThread(threading.Thread):
         try:
             self._phase = "setup"
             self._bind()
-            with self._setup_turn(), self.gate():  # the turn first: a queued worker holds no slot
-                # stopped (Ctrl-C, a failed peer) while waiting its turn: the setup does not run
+            state = self.worker_state
+            with doing(state, "waiting for its setup turn"), self._setup_turn(), self.gate():
+                # the turn first: a queued worker holds no slot. Stopped (Ctrl-C, a failed peer)
+                # while waiting its turn: the setup does not run
                 skipped = self.stopping
                 if not skipped:
-                    self.setup()
+                    with doing(state, "setup"):
+                        self.setup()
             if self._group is not None:
-                self._group._wait_for_setups(self)
+                with doing(state, "waiting for the other workers' setups"):
+                    self._group._wait_for_setups(self)
             if not skipped:
                 self._phase = "step"
+                state.activity, state.activity_since = "warmup steps", time.monotonic()
                 self._loop(timer, started)
         except GroupStopped:
             if not self.stopping:
@@ -163,8 +176,8 @@ class CompiledWorkerThread(threading.Thread):
             else:
                 _add_note(error, f"teardown of {self.name} also failed: {exc!r}")
         finally:
-            self.stats.warmups = self.worker_state.warmups
-            self.stats.captures = self.worker_state.captures
+            self._copy_startup_stats()
+            self.worker_state.activity = "failed" if error is not None else "finished"
             release_cudagraph_tls()
         if error is None:
             log.debug("threadgraph: worker %s on %s finished: %s", self.name, self.device, self.stats.summary())
@@ -210,7 +223,15 @@ class CompiledWorkerThread(threading.Thread):
             torch.cuda.current_stream().synchronize()  # warmup time includes its GPU work
         self.stats.warmup_steps = self.stats.steps
         self.stats.warmup_seconds = time.perf_counter() - started
+        self._copy_startup_stats()
+        self.worker_state.activity, self.worker_state.activity_since = "stepping", time.monotonic()
         timer.discard()
+
+    def _copy_startup_stats(self) -> None:
+        state, stats = self.worker_state, self.stats
+        stats.warmups, stats.captures = state.warmups, state.captures
+        stats.compile_seconds, stats.capture_seconds = state.compile_seconds, state.capture_seconds
+        stats.turn_wait_seconds = state.turn_wait_seconds
 
     def _as_worker_error(self) -> WorkerError:
         exc = self._exception

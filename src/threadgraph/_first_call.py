@@ -1,0 +1,130 @@
+"""Concurrent first calls of one compiled function compile it once (hazard concurrent-first-compile).
+
+Dynamo looks a frame up in its code object's cache before it takes the process-wide compile lock,
+and does not look again once it holds it. Threads that call the same compiled code for the first
+time together all miss, queue on the lock, and each compiles the same frame again: the same
+guards and the same graphs, N times the wait (Dynamo logs "Unexpected recompilation: runtime
+guards failed even though they passed during recompilation-reason analysis"). Workers that run
+one architecture on models of their own are that case: with nn.Modules inlined (the default since
+torch 2.5), parameters are graph inputs and no guard pins a module object, so one compilation
+serves every worker once it is in the cache.
+
+``first_call_in_turn`` wraps what ``torch.compile`` returns (``OptimizeContext.__call__``; a
+compiled module goes through it too, for its ``forward``). Calls of one compiled code take turns
+until one call of it has returned: the first caller compiles; the others wait, their device
+slots given up (``released()``), and then find the cache filled. Afterwards a call costs one set
+lookup. Each worker still warms up and records its own CUDA graphs in its own pool (the per-worker
+cudagraphify state, hazard shared-cudagraphify-state).
+
+The key of a turn is the code object of the compiled function, and for a bound method also the
+type of its instance (every ``torch.compile(module)`` compiles ``Module.__call__``). Limits: a
+first call that waits for another thread inside the compiled function (at a graph break) would
+hold the turn; a turn waited for longer than ``THREADGRAPH_GATE_TIMEOUT`` is given up with a
+warning and the call compiles on its own. Recompilations after the first call (new shapes) are
+not ordered, and backward graphs, which AOTAutograd compiles on the first backward, neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import threading
+import time
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from . import _compat
+from ._gate import DEFAULT_TIMEOUT_S, released
+from ._tls import current_worker, doing
+
+log = logging.getLogger("threadgraph")
+
+
+@dataclasses.dataclass
+class _Turn:
+    name: str
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    holder: Optional[str] = None  # the thread making the first call
+    holder_ident: Optional[int] = None
+
+
+_turns: dict[Hashable, _Turn] = {}
+_done: set[Hashable] = set()  # keys whose first call returned: later calls pass straight through
+
+
+def turn_key(fn: Any) -> Optional[Hashable]:
+    """What identifies compiled code across workers: its code object, plus the instance's type
+    for a bound method. None for callables without Python code (no turn)."""
+    if inspect.ismethod(fn):
+        code = getattr(fn.__func__, "__code__", None)
+        return None if code is None else (code, type(fn.__self__))
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code,)
+
+
+def _describe(fn: Any) -> str:
+    if inspect.ismethod(fn):
+        return f"{type(fn.__self__).__name__}.{fn.__func__.__name__}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``OptimizeContext.__call__``: the compiled function it returns takes turns on its first call."""
+    compiled = wrapped(*args, **kwargs)
+    fn = args[0] if args else kwargs.get("fn")
+    if isinstance(compiled, torch.nn.Module) or not callable(compiled):
+        return compiled  # an OptimizedModule: its forward came through here already
+    key = turn_key(fn)
+    if key is None:
+        return compiled
+    return in_turn(compiled, key, _describe(fn))
+
+
+def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
+    is_tracing = _compat.is_dynamo_compiling
+
+    @functools.wraps(compiled)
+    def compiled_in_turn(*args: Any, **kwargs: Any) -> Any:
+        # Under Dynamo (a compiled caller inlining this one) the check folds to True.
+        if is_tracing() or key in _done:
+            return compiled(*args, **kwargs)
+        return _take_turn(key, name, compiled, args, kwargs)
+
+    compiled_in_turn._threadgraph_turn_key = key  # type: ignore[attr-defined]
+    return compiled_in_turn
+
+
+def _take_turn(key: Hashable, name: str, compiled: Callable, args: tuple, kwargs: dict) -> Any:
+    turn = _turns.setdefault(key, _Turn(name))
+    if turn.holder_ident == threading.get_ident():  # a recursive first call
+        return compiled(*args, **kwargs)
+    state = current_worker()
+    started = time.perf_counter()
+    with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
+        got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
+    if state is not None:
+        state.turn_wait_seconds += time.perf_counter() - started
+    if not got:
+        log.warning("threadgraph: waited %.0f s for %s to finish its first call of %s; compiling it here as well",
+                    DEFAULT_TIMEOUT_S, turn.holder, name)
+        return compiled(*args, **kwargs)
+    if key in _done:  # compiled while this thread waited
+        turn.lock.release()
+        return compiled(*args, **kwargs)
+    turn.holder, turn.holder_ident = threading.current_thread().name, threading.get_ident()
+    try:
+        result = compiled(*args, **kwargs)
+        _done.add(key)  # only after a call returned: a failed first call leaves the turn to the next
+        return result
+    finally:
+        turn.holder = turn.holder_ident = None
+        turn.lock.release()
+
+
+def forget() -> None:
+    """Clear every turn (tests; after ``torch._dynamo.reset()`` the caches are empty again)."""
+    _turns.clear()
+    _done.clear()

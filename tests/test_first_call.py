@@ -1,0 +1,167 @@
+"""Identical workers compile once (hazard concurrent-first-compile, patch first_call_in_turn)."""
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import threadgraph
+from threadgraph import CompiledWorkerThread, WorkerGroup, _first_call
+
+WORKERS = 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)  # not the global RNG (hazard global-rng-rewind)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).tanh()
+
+
+class Trainer(CompiledWorkerThread):
+    """Workers of one kind: each its own module and optimizer, compiled with ``torch.compile``."""
+
+    def __init__(self, index, backend):
+        super().__init__("cpu", name=f"trainer-{index}", max_steps=4, warmup_steps=1)
+        self.index, self.backend, self.losses = index, backend, []
+
+    def setup(self):
+        self.model = Block(self.index)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.fn = torch.compile(self.model, backend=self.backend)
+        self.x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + self.index))
+
+    def step(self):
+        loss = self.fn(self.x).square().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+
+
+def _run_group(backend):
+    torch._dynamo.reset()
+    _first_call.forget()
+    counters.clear()
+    workers = [Trainer(i, backend) for i in range(WORKERS)]
+    with WorkerGroup(workers):  # steps begin together, after every setup: concurrent first calls
+        pass
+    return workers, counters["frames"]["total"]
+
+
+@pytest.fixture
+def patches(clean_patches):
+    threadgraph.install()
+    yield
+    _first_call.forget()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_identical_workers_compile_once_with_the_losses_of_separate_compiles(patches, backend, monkeypatch):
+    together, frames = _run_group(backend)
+    assert frames == 1, f"{frames} Dynamo frame compilations for {WORKERS} identical workers"
+    _leave_out_the_patch(monkeypatch)
+    apart, frames_apart = _run_group(backend)
+    assert frames_apart > 1
+    for w, ref in zip(together, apart):
+        assert w.losses == pytest.approx(ref.losses, rel=1e-6, abs=1e-7), w.name
+    # each worker's own model: different seeds, different losses
+    assert together[0].losses != pytest.approx(together[1].losses)
+
+
+def _leave_out_the_patch(monkeypatch):
+    # Workers install() when constructed: leave the patch out there too.
+    monkeypatch.setenv("THREADGRAPH_EXCLUDE_PATCHES", "first_call_in_turn")
+    threadgraph.uninstall(["first_call_in_turn"])
+
+
+def test_without_the_patch_concurrent_first_calls_compile_once_per_worker(patches, monkeypatch):
+    _leave_out_the_patch(monkeypatch)
+    _, frames = _run_group("inductor")  # an Inductor compile is long enough for every worker to miss
+    assert frames == WORKERS
+
+
+def test_the_compiling_worker_reports_compile_time_and_the_others_their_wait(patches):
+    workers, _ = _run_group("inductor")
+    compiled = [w for w in workers if w.stats.compile_seconds > 0]
+    assert len(compiled) == 1, [w.stats.summary() for w in workers]
+    waited = [w for w in workers if w is not compiled[0]]
+    assert all(w.stats.turn_wait_seconds > 0 and w.stats.compile_seconds == 0 for w in waited), \
+        [w.stats.summary() for w in workers]
+    assert "compile" in compiled[0].stats.summary() and "waiting for a peer's compile" in waited[0].stats.summary()
+    assert all(w.activity[0] == "finished" for w in workers)
+
+
+def _slow_first_call(release: threading.Event, calls: list):
+    def fn(x):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            assert release.wait(10)
+            raise ValueError("first call failed")
+        return x + 1
+    return fn
+
+
+def test_a_failed_first_call_leaves_the_turn_to_the_next_caller(patches):
+    release, calls = threading.Event(), []
+    compiled = _first_call.in_turn(_slow_first_call(release, calls), key=("test-failed",), name="fn")
+    errors, results = [], []
+
+    def call():
+        try:
+            results.append(compiled(1))
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    first = threading.Thread(target=call, name="first")
+    first.start()
+    while not calls:
+        time.sleep(0.001)
+    second = threading.Thread(target=call, name="second")
+    second.start()
+    time.sleep(0.05)
+    assert calls == ["first"]  # the second waits for the turn
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert errors == ["first call failed"] and results == [2] and calls == ["first", "second"]
+
+
+def test_a_turn_held_too_long_is_given_up_with_a_warning(patches, monkeypatch, caplog):
+    monkeypatch.setattr(_first_call, "DEFAULT_TIMEOUT_S", 0.05)
+    release, calls = threading.Event(), []
+    compiled = _first_call.in_turn(_slow_first_call(release, calls), key=("test-timeout",), name="slow_fn")
+    first = threading.Thread(target=lambda: pytest.raises(ValueError, compiled, 1), name="holder")
+    first.start()
+    while not calls:
+        time.sleep(0.001)
+    with caplog.at_level(logging.WARNING, logger="threadgraph"):
+        assert compiled(1) == 2  # did not wait for the holder
+    release.set()
+    first.join(10)
+    assert "waited 0 s for holder to finish its first call of slow_fn; compiling it here as well" in caplog.text
+
+
+def test_compiled_functions_keep_their_attributes_and_nest(patches):
+    inner = torch.compile(lambda x: x * 2, backend="eager")
+    assert hasattr(inner, "_torchdynamo_orig_callable") and inner._threadgraph_turn_key is not None
+    outer = torch.compile(lambda x: inner(x) + 1, backend="eager")
+    counters.clear()
+    assert torch.equal(outer(torch.ones(3)), torch.full((3,), 3.0))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_uninstall_gives_torch_compile_its_own_result_back(patches):
+    threadgraph.uninstall(["first_call_in_turn"])
+    fn = torch.compile(lambda x: x, backend="eager")
+    assert not hasattr(fn, "_threadgraph_turn_key")
