@@ -1,6 +1,7 @@
 """Identical workers compile once (hazard concurrent-first-compile, patch first_call_in_turn)."""
 
 import logging
+import sys
 import threading
 import time
 
@@ -83,6 +84,26 @@ def _leave_out_the_patch(monkeypatch):
     # Workers install() when constructed: leave the patch out there too.
     monkeypatch.setenv("THREADGRAPH_EXCLUDE_PATCHES", "first_call_in_turn")
     threadgraph.uninstall(["first_call_in_turn"])
+
+
+class WarmsUpOnce(Block):
+    """Sets an attribute on its first forward, as some models do: the second call recompiles."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.scale = 1.0
+
+    def forward(self, x):
+        out = super().forward(x) * self.scale
+        self.scale = 0.5
+        return out
+
+
+def test_a_model_that_recompiles_on_its_second_call_compiles_twice_for_all_workers(patches, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "Block", WarmsUpOnce)
+    workers, frames = _run_group("aot_eager")
+    assert frames == 2, f"{frames} Dynamo frame compilations; expected one per guard state"
+    assert all(len(w.losses) == 4 for w in workers)
 
 
 def test_without_the_patch_concurrent_first_calls_compile_once_per_worker(patches, monkeypatch):

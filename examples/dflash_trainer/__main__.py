@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_description_str(line.split(";")[0], refresh=False)
             if record["startup"]["seconds"] - last_startup_line[0] >= 10:  # a line every 10 s, also in logs
                 last_startup_line[0] = record["startup"]["seconds"]
-                tqdm.write(line)
+                tqdm.write(line, file=sys.stderr)  # stdout carries --json's one line
         elif "loss" in record:
             if bar.desc != "dflash":
                 bar.set_description_str("dflash", refresh=False)

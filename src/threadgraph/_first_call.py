@@ -11,17 +11,21 @@ serves every worker once it is in the cache.
 
 ``first_call_in_turn`` wraps what ``torch.compile`` returns (``OptimizeContext.__call__``; a
 compiled module goes through it too, for its ``forward``). Calls of one compiled code take turns
-until one call of it has returned: the first caller compiles; the others wait, their device
-slots given up (``released()``), and then find the cache filled. Afterwards a call costs one set
-lookup. Each worker still warms up and records its own CUDA graphs in its own pool (the per-worker
-cudagraphify state, hazard shared-cudagraphify-state).
+until the code has settled: the first caller compiles; the others wait, their device slots given
+up (``released()``), and then find the cache filled. A first call can change what the guards see
+(a model that sets an attribute on its first forward recompiles on its second call), so the code
+has settled only when a thread's second or later call of it compiled no frame; from then on a
+call costs one set lookup. Each worker still warms up and records its own CUDA graphs in its own
+pool (the per-worker cudagraphify state, hazard shared-cudagraphify-state).
 
 The key of a turn is the code object of the compiled function, and for a bound method also the
 type of its instance (every ``torch.compile(module)`` compiles ``Module.__call__``). Limits: a
-first call that waits for another thread inside the compiled function (at a graph break) would
-hold the turn; a turn waited for longer than ``THREADGRAPH_GATE_TIMEOUT`` is given up with a
-warning and the call compiles on its own. Recompilations after the first call (new shapes) are
+call that waits for another thread inside the compiled function (at a graph break) before the code
+settled holds the turn; a turn waited for longer than ``THREADGRAPH_GATE_TIMEOUT`` is given up with
+a warning and the call compiles on its own. Recompilations once the code settled (new shapes) are
 not ordered, and backward graphs, which AOTAutograd compiles on the first backward, neither.
+Frame compiles are counted by the patch gate_release_in_compile (``note_compile``); without it a
+code settles at any thread's second call.
 """
 
 from __future__ import annotations
@@ -52,7 +56,24 @@ class _Turn:
 
 
 _turns: dict[Hashable, _Turn] = {}
-_done: set[Hashable] = set()  # keys whose first call returned: later calls pass straight through
+_done: set[Hashable] = set()  # settled keys: their calls pass straight through
+_local = threading.local()  # this thread's frame compiles, and its calls of each unsettled key
+
+
+def note_compile() -> None:
+    """Count one Dynamo frame compile of the calling thread (called by the compile-frame patch)."""
+    _local.compiles = getattr(_local, "compiles", 0) + 1
+
+
+def _compiles() -> int:
+    return getattr(_local, "compiles", 0)
+
+
+def _calls() -> dict:
+    calls = getattr(_local, "calls", None)
+    if calls is None:
+        calls = _local.calls = {}
+    return calls
 
 
 def turn_key(fn: Any) -> Optional[Hashable]:
@@ -111,13 +132,17 @@ def _take_turn(key: Hashable, name: str, compiled: Callable, args: tuple, kwargs
         log.warning("threadgraph: waited %.0f s for %s to finish its first call of %s; compiling it here as well",
                     DEFAULT_TIMEOUT_S, turn.holder, name)
         return compiled(*args, **kwargs)
-    if key in _done:  # compiled while this thread waited
+    if key in _done:  # settled while this thread waited
         turn.lock.release()
         return compiled(*args, **kwargs)
     turn.holder, turn.holder_ident = threading.current_thread().name, threading.get_ident()
+    calls, before = _calls(), _compiles()
     try:
         result = compiled(*args, **kwargs)
-        _done.add(key)  # only after a call returned: a failed first call leaves the turn to the next
+        calls[key] = calls.get(key, 0) + 1  # only calls that returned: a failed one settles nothing
+        if calls[key] >= 2 and _compiles() == before:
+            _done.add(key)
+            del calls[key]
         return result
     finally:
         turn.holder = turn.holder_ident = None
@@ -128,3 +153,4 @@ def forget() -> None:
     """Clear every turn (tests; after ``torch._dynamo.reset()`` the caches are empty again)."""
     _turns.clear()
     _done.clear()
+    _local.__dict__.clear()

@@ -139,6 +139,7 @@ def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     frame = args[0] if args else None
     code = getattr(frame, "f_code", None)
     started = time.perf_counter()
+    _first_call.note_compile()
     with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
         try:
             return wrapped(*args, **kwargs)
