@@ -7,12 +7,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    one_gpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, this machine has {gpus} (run `pytest -m multi_gpu` on one with 2+)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("multi_gpu") and gpus < 2:
+            item.add_marker(one_gpu)
+        elif item.get_closest_marker("gpu") and gpus < 1:
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture

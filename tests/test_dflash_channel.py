@@ -228,9 +228,8 @@ def test_cuda_handoff_waits_on_event_without_host_sync():
     assert value == 7.0 * (1 << 20)
 
 
-@pytest.mark.gpu
+@pytest.mark.multi_gpu
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_cuda_handoff_across_devices():
     ch = Channel(2)
     src, dst = torch.device("cuda:0"), torch.device("cuda:1")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from test_gpu import scenario as _scenario
+from tests.gpu_process import scenario as _scenario
 
 pytestmark = pytest.mark.gpu
 RUNS = int(os.environ.get("THREADGRAPH_REPRO_RUNS", "20"))
@@ -22,6 +22,7 @@ def _clean(run):
     return not run["errors"] and run["finished"] == run["threads"] and run["all_equal"]
 
 
+@pytest.mark.slow  # RUNS fresh processes, 4 at a time: minutes
 def test_pytorch_123177_repro_passes_run_after_run_and_every_thread_records_its_own_graph():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # fresh processes, 4 at a time on the GPU
         runs = list(pool.map(lambda _: scenario("repro_123177", "--threads", 32), range(RUNS)))

@@ -1,0 +1,44 @@
+"""benchmarks/results_index.py: the committed index is current, rows come latest first, and a
+stale index or a file breaking the naming rule fails --check."""
+
+import json
+
+import pytest
+
+from benchmarks import results_index
+
+
+def overhead(path, ratio):
+    row = {"task": "train", "workers": 1, "fenced_p50_ms": ratio, "unfenced_p50_ms": 1.0, "ratio_fenced_over_unfenced": ratio}
+    path.write_text(json.dumps({"rows": [row]}))
+
+
+def test_the_committed_index_is_what_the_committed_json_gives():
+    assert results_index.main(["--check"]) == 0
+
+
+def test_rows_come_latest_first_and_a_new_file_makes_the_index_stale(tmp_path, capsys):
+    overhead(tmp_path / "fence-overhead_cpu_torch2.13.0_2026-01-02.json", 0.5)
+    overhead(tmp_path / "fence-overhead_nvidia-h200_torch2.11.0_2026-03-01.json", 0.7)
+    assert results_index.main(["--results", str(tmp_path)]) == 0
+    rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if line.startswith("| 2026")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 2026-03-01", "| 2026-01-02"]
+    assert "fenced / unfenced 0.70" in rows[0] and "| nvidia-h200 | 2.11.0 |" in rows[0]
+    assert results_index.main(["--results", str(tmp_path), "--check"]) == 0
+    overhead(tmp_path / "fence-overhead_cpu_torch2.13.0_2026-02-01.json", 0.9)
+    capsys.readouterr()
+    assert results_index.main(["--results", str(tmp_path), "--check"]) == 1
+    assert "README.md is stale" in capsys.readouterr().err
+
+
+def test_a_file_that_breaks_the_naming_rule_fails_the_check(tmp_path, capsys):
+    overhead(tmp_path / "nvidia-h200_torch2.11.0_2026-03-01_fence-overhead.json", 0.7)
+    assert results_index.main(["--results", str(tmp_path), "--check"]) == 1
+    assert "nvidia-h200_torch2.11.0_2026-03-01_fence-overhead.json" in capsys.readouterr().err
+
+
+def test_a_theme_without_an_extractor_is_named():
+    assert results_index.extractor("replay-dflash-gil") is results_index.replay
+    assert results_index.extractor("dflash-throughput-0.6b-trees") is results_index.dflash_throughput
+    with pytest.raises(ValueError, match="no headline extractor for theme 'mystery'"):
+        results_index.extractor("mystery")
