@@ -186,3 +186,12 @@ def test_uninstall_gives_torch_compile_its_own_result_back(patches):
     threadgraph.uninstall(["first_call_in_turn"])
     fn = torch.compile(lambda x: x, backend="eager")
     assert not hasattr(fn, "_threadgraph_turn_key")
+
+
+def test_torch_compile_calls_with_equal_settings_share_one_backend_object(patches):
+    build = torch._TorchCompileInductorWrapper
+    a, b = build("reduce-overhead", None, False), build("reduce-overhead", None, False)
+    assert a is b and a.config.get("triton.cudagraphs") is True  # initialised once, not emptied again
+    assert build(None, None, False) is not a and isinstance(a, build)
+    threadgraph.uninstall(["inductor_backend_per_settings"])
+    assert torch._TorchCompileInductorWrapper("reduce-overhead", None, False) is not a

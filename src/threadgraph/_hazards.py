@@ -117,12 +117,15 @@ HAZARDS: tuple[Hazard, ...] = (
         "looks the frame up in its cache before it takes the compile lock and not again after, so every "
         "thread that missed compiles the same frame once more (same guards, same graphs; Dynamo logs "
         "\"Unexpected recompilation: runtime guards failed even though they passed\"). N identical "
-        "workers wait N times for one compilation.",
+        "workers wait N times for one compilation. Where Dynamo guards cached code on the backend object's "
+        "identity (2.11: BACKEND_MATCH), code one worker compiled never serves another worker's own "
+        "`torch.compile` call either, since every call builds a new Inductor backend object.",
         "assumed present: the lookup and the lock are in Dynamo's frame evaluator and convert_frame, "
         "with no hook to test for a second lookup",
         "2.1 - 2.15.0 (as read)",
-        f"{RUN_CPU}: 3 workers compiling one module, 3 compiles of its frame without the patch, 1 with it; {READ}",
-        (),
+        f"{RUN_CPU}: 3 workers compiling one module, 3 compiles of its frame without the patch, 1 with it; "
+        f"2.11.0 on an H200: BACKEND_MATCH recompiles in every DFlash target worker; {READ}",
+        (_gh(168373),),
         "",
     ),
     Hazard(

@@ -256,6 +256,12 @@ PATCHES = [
           _first_call.first_call_in_turn, read=_READ, run=_RUN,
           changes="`torch.compile` returns `OptimizeContext.__call__(fn)` in 2.13.0, 2.14.1 and 2.15.0; a module "
                   "becomes an `OptimizedModule` whose `forward` is built by the same call on `Module.__call__`"),
+    Patch("inductor_backend_per_settings", "torch:_TorchCompileInductorWrapper", "concurrent-first-compile",
+          "2.1 - 2.15.0", "upstream matches backends by their settings everywhere", "pytorch/pytorch#168373",
+          None, replace=_first_call.one_backend_per_settings, read=_READ, run=_RUN,
+          changes="`torch.compile` builds `_TorchCompileInductorWrapper(mode, options, dynamic[, name])` from its "
+                  "module global in 2.13.0 - 2.15.0 and compares two by `__eq__` (config, dynamic, name); 2.11's "
+                  "BACKEND_MATCH guard compares identities"),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread", "2.1 - 2.15.0",
           "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0"),
