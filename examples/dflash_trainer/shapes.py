@@ -110,6 +110,8 @@ def shape_target(name: str, assets: DefaultAssets, cache_dir: str | os.PathLike[
             try:
                 _build(name, assets, tmp, device or ("cuda" if torch.cuda.is_available() else "cpu"))
                 swap_into_place(tmp, final)
+                if torch.cuda.is_available():  # the build's weights are garbage now: give their memory back
+                    torch.cuda.empty_cache()
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
