@@ -74,7 +74,6 @@ def run_threaded(cfg) -> dict:
         "mode": results.get("mode"),
         "gil_switch_interval_ms": results.get("gil_switch_interval_ms"),
         "loss_last": results["last"].get("loss"),
-        "target_report": results.get("target_report"),
         "workers": results.get("workers", {}),
     }
 
@@ -322,16 +321,22 @@ def main(argv=None) -> int:
     common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
                                              "shape": shape, "graphs": graphs(args),
-                                             "target_params": _target_params(results["threaded"]),
+                                             "target_params": _target_params(args),
                                              **results, **figures})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
 
 
-def _target_params(threaded: dict):
-    report = threaded.get("target_report") or {}
-    return report.get("num_parameters")
+def _target_params(args) -> int:
+    """The target's parameter count, from its build report (both builds are cached by now)."""
+    from examples.dflash_trainer.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.shapes import shape_target
+
+    assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
+    if args.target_shape is not None:
+        return shape_target(args.target_shape, assets).report["num_parameters"]
+    return assets.load_report()["num_parameters"]
 
 
 if __name__ == "__main__":
