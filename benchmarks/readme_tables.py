@@ -1,12 +1,14 @@
-"""Rewrite README.md's DFlash headline table from the committed results (``--check``: only compare).
+"""Rewrite README.md's DFlash results from the committed results files (``--check``: only compare).
 
-    python benchmarks/readme_tables.py            # rewrite the section between the markers
+    python benchmarks/readme_tables.py            # rewrite the sections between the markers
     python benchmarks/readme_tables.py --check    # exit 1 if the README is stale
 
 The section between ``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end -->`` gets one row per
 (target shape, graphs mode): the newest ``dflash-throughput-*.json`` of that pair (by the run's date,
 then file name). The embedded default target is labelled a launch-bound smoke case: it gives the GPU
-about 0.3 ms of work per batch, so it measures overheads, not a pipeline.
+about 0.3 ms of work per batch, so it measures overheads, not a pipeline. The section between
+``<!-- dflash-tau:begin -->`` and ``<!-- dflash-tau:end -->`` gets the newest
+``dflash-tau-reproducibility_*.json`` (benchmarks/tau_reproducibility.py): tau next to its baselines.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- dflash-table:begin -->", "<!-- dflash-table:end -->"
+TABLE = ("<!-- dflash-table:begin -->", "<!-- dflash-table:end -->")
+TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
 SHAPE_ORDER = ("default", "tiny-assets", "tiny", "0.6b", "1.7b", "4b", "8b")
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
@@ -77,33 +80,60 @@ def table(results: Path) -> str:
     return "\n".join(lines)
 
 
+def tau_section(results: Path) -> str:
+    found = sorted(results.glob("dflash-tau-reproducibility_*.json"),
+                   key=lambda p: (json.loads(p.read_text())["env"]["date"], p.name))
+    if not found:
+        return "No tau reproducibility results yet (`python benchmarks/tau_reproducibility.py`)."
+    data = json.loads(found[-1].read_text())
+    env, builds = data["env"], data["builds"]
+    runs = [b["run"] for b in builds if b.get("run")]
+    where = f"{env.get('gpu') or 'CPU'}, {env.get('cpus')} CPUs, torch {env.get('torch')}, {env.get('date')}"
+    same = ("bit-identical (every file's SHA-256)" if data["bit_identical"]
+            else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
+    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}."]
+    for i, run in enumerate(runs):
+        lines.append(f"- run {i + 1}: tau {run['tau']:.3f} after {run['steps']} steps, against "
+                     f"{run['tau_random_init']:.3f} for the random-init drafter and {run['tau_repeat_last_token']:.3f} "
+                     "for repeat-last-token")
+    if len(runs) > 1:
+        lines.append(f"- spread of tau over the {len(runs)} runs: {data['tau']['min']:.3f} - {data['tau']['max']:.3f}")
+    lines.append(f"\n([{found[-1].name}](benchmarks/results/{found[-1].name}))")
+    return "\n".join(lines)
+
+
+def _replace(text: str, markers: tuple[str, str], body: str) -> str:
+    begin, end = markers
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SystemExit(f"the README must hold {begin} once, then {end} once")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
 def render(readme_text: str, results: Path) -> str:
-    if readme_text.count(BEGIN) != 1 or readme_text.count(END) != 1 or readme_text.index(BEGIN) > readme_text.index(END):
-        raise SystemExit(f"the README must hold {BEGIN} once, then {END} once")
-    head, rest = readme_text.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n{table(results)}\n{END}{tail}"
+    return _replace(_replace(readme_text, TABLE, table(results)), TAU, tau_section(results))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results", help="results directory")
     p.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    p.add_argument("--check", action="store_true", help="exit 1 if the README's table is not what the results give")
+    p.add_argument("--check", action="store_true", help="exit 1 if the README's sections are not what the results give")
     args = p.parse_args(argv)
     old = args.readme.read_text()
     new = render(old, args.results)
     if args.check:
         if new != old:
-            print(f"{args.readme}: the DFlash table is stale; run python benchmarks/readme_tables.py", file=sys.stderr)
+            print(f"{args.readme}: the DFlash results are stale; run python benchmarks/readme_tables.py", file=sys.stderr)
             return 1
-        print(f"{args.readme}: the DFlash table is up to date")
+        print(f"{args.readme}: the DFlash results are up to date")
         return 0
     if new != old:
         args.readme.write_text(new)
-        print(f"rewrote the DFlash table of {args.readme}")
+        print(f"rewrote the DFlash results of {args.readme}")
     else:
-        print(f"{args.readme}: the DFlash table was up to date")
+        print(f"{args.readme}: the DFlash results were up to date")
     return 0
 
 

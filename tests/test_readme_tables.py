@@ -23,7 +23,8 @@ def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200"):
 
 def _readme(tmp_path):
     path = tmp_path / "README.md"
-    path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\nafter\n")
+    path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
+                    "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\nafter\n")
     return path
 
 
@@ -44,7 +45,16 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert "launch-bound smoke case" in rows[0] and toy in rows[0]  # the toy first, labelled
     assert newest in rows[1] and "240k" in rows[1] and "0.96" in rows[1] and "Qwen3-0.6B shape" in rows[1]
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
+    assert "No tau reproducibility results yet" in first
     assert readme_tables.main(argv + ["--check"]) == 0
+    run = {"tau": 2.45, "tau_random_init": 1.01, "tau_repeat_last_token": 1.12, "steps": 256}
+    (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
+        {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0"}, "bit_identical": True,
+         "differing_files": [], "tau": {"min": 2.45, "max": 2.45}, "builds": [{"run": run}, {"run": run}, {"run": None}]}))
+    assert readme_tables.main(argv + ["--check"]) == 1
+    readme_tables.main(argv)
+    tau = readme.read_text().split("<!-- dflash-tau:begin -->")[1]
+    assert "3 fresh builds" in tau and "bit-identical" in tau and "tau 2.450" in tau and "1.010" in tau and "1.120" in tau
 
 
 def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
