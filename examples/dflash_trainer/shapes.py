@@ -162,3 +162,26 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
               "build_s": round(time.perf_counter() - t0, 1)}
     (out / _REPORT).write_text(json.dumps(report, indent=1) + "\n")
     logger.info("target shape %s: built in %.1f s", name, report["build_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m examples.dflash_trainer.shapes NAME...``: build (or find) shape targets ahead of a run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer.shapes", description=main.__doc__)
+    parser.add_argument("names", nargs="+", choices=sorted(SHAPES), metavar="NAME", help=f"one of {sorted(SHAPES)}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    from .assets import default_assets
+
+    assets = default_assets()
+    for name in args.names:
+        print(f"target shape {name}: building it if it is not cached", flush=True)
+        built = shape_target(name, assets)
+        print(f"target shape {name}: {built.dir} ({built.report['num_parameters'] / 1e9:.2f}B parameters)")
+    print(f"WARNING: {RANDOM_WEIGHTS_WARNING}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
