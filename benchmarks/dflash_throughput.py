@@ -213,9 +213,13 @@ def make_config(args, out_dir: str):
 
 
 def theme(args) -> str:
-    """``dflash-throughput-<shape, or default / tiny-assets for the embedded targets>-<graphs>``."""
-    shape = args.target_shape or ("default" if args.assets == "default" else "tiny-assets")
-    return f"dflash-throughput-{shape}-{graphs(args)}"
+    """``dflash-throughput-<target>-<graphs>``."""
+    return f"dflash-throughput-{target_label(args)}-{graphs(args)}"
+
+
+def target_label(args) -> str:
+    """The --target-shape, or default / tiny-assets for the embedded targets."""
+    return args.target_shape or ("default" if args.assets == "default" else "tiny-assets")
 
 
 def graphs(args) -> str:
@@ -313,7 +317,7 @@ def main(argv=None) -> int:
             print(f"[{name}]", file=sys.stderr, flush=True)
             results[name] = run_cell_subprocess(args, name, cfg)
     figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None)
-    shape = args.target_shape or args.assets
+    shape = target_label(args)
     text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures)
     print(text)
     out = common.results_dir(args.out_dir)
