@@ -2,6 +2,7 @@
 
     python benchmarks/dflash_throughput.py                        # GPU: cuda:0, default assets
     python benchmarks/dflash_throughput.py --devices cuda:0,cuda:1
+    python benchmarks/dflash_throughput.py --target-shape 0.6b    # a random-init Qwen3-0.6B-shaped target
     python benchmarks/dflash_throughput.py --quick                # CPU reduced form (tiny assets)
 
 threaded: ``examples.dflash_trainer.train.train`` with T target threads producing features and
@@ -17,6 +18,10 @@ replicas, the batches with their anchors, the execution policy and the learning-
 so both pipelines see the same data order, anchors, sizes and compilation (reduce-overhead on
 GPU, with CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on
 CPU). It processes as many batches as the threaded run; the same share of them is warmup.
+
+Besides tokens/s, the sequential loop measures the GPU time of one batch's kernels (the GPU-bound
+limit of both pipelines), its host time per batch (what one thread holds the GIL for) and both cells
+their startup seconds; ``dflash_report`` turns these into the headline figures (benchmarks/README.md).
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
 error row and the other still runs.
