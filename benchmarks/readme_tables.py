@@ -89,7 +89,7 @@ def tau_section(results: Path) -> str:
     env, builds = data["env"], data["builds"]
     runs = [b["run"] for b in builds if b.get("run")]
     where = f"{env.get('gpu') or 'CPU'}, {env.get('cpus')} CPUs, torch {env.get('torch')}, {env.get('date')}"
-    same = ("bit-identical (every file's SHA-256)" if data["bit_identical"]
+    same = ("bit-identical (the SHA-256 of every asset file; the build reports equal but for their timings)" if data["bit_identical"]
             else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
     lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}."]
     for i, run in enumerate(runs):

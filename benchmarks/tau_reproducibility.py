@@ -30,6 +30,7 @@ from examples.dflash_trainer.assets import default_assets  # noqa: E402
 
 _RUN = "tau-run.json"
 _VARYING = ("timings",)  # report keys that differ by build duration, not by content
+_REPORT = "target_report.json"  # holds the timings: compared as a report without them, not by hash
 
 
 def file_hashes(root: Path) -> dict[str, str]:
@@ -68,6 +69,7 @@ def compare(caches: list[Path], train: int, timeout: int) -> dict:
     first = builds[0]
     for b in builds:
         b["hashes"].pop(_RUN, None)  # the run's record, not an asset
+        b["hashes"].pop(_REPORT, None)
     differing = sorted({name for b in builds for name in set(b["hashes"]) | set(first["hashes"])
                         if b["hashes"].get(name) != first["hashes"].get(name)})
     taus = [b["run"]["tau"] for b in builds if b["run"]]
@@ -81,7 +83,7 @@ def markdown(env: dict, result: dict) -> str:
         (b["run"]["tau"], b["run"]["tau_random_init"], b["run"]["tau_repeat_last_token"], b["run"]["steps"],
          b["run"]["seconds"]) if b["run"] else (None,) * 5), b["hashes"].get("target/model.safetensors", "")[:16]]
             for b in result["builds"]]
-    verdict = ("every file of every build is bit-identical" if result["bit_identical"]
+    verdict = ("every asset file of every build is bit-identical" if result["bit_identical"]
                else f"the builds differ in {', '.join(result['differing_files'])}")
     tau = result["tau"]
     return "\n".join([
