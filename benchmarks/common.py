@@ -139,10 +139,12 @@ class BusyProbe:
     """GPU-busy fraction: union of GPU activity intervals / wall time between ``start()`` and
     ``stop()``, under torch.profiler (CUDA activity only; CUPTI sees every thread's kernels,
     autograd's backward thread included). ``stop()`` returns None without a GPU. Profiling adds
-    some launch cost, so read the fraction as a lower bound."""
+    some launch cost, so read the fraction as a lower bound. After ``stop()``, ``busy_us`` holds each
+    device's own busy microseconds (the union of its intervals), what its kernels took."""
 
     def start(self) -> None:
         self.prof = None
+        self.busy_us: dict[int, float] = {}
         if not on_gpu():
             return
         from torch.profiler import ProfilerActivity, profile
@@ -162,21 +164,30 @@ class BusyProbe:
             return None
         from torch.autograd import DeviceType
 
-        sync()
+        for index in range(torch.cuda.device_count()):  # every device's queued work is inside the window
+            torch.cuda.synchronize(index)
         wall_us = (time.perf_counter() - self.t0) * 1e6
         try:
             self.prof.__exit__(None, None, None)
-            spans = sorted((e.time_range.start, e.time_range.end) for e in self.prof.events()
-                           if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+            events = [(e.device_index, e.time_range.start, e.time_range.end) for e in self.prof.events()
+                      if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
         except Exception as exc:
             print(f"GPU-busy: profiler failed: {exc!r}", file=sys.stderr)
             return None
-        busy, end = 0.0, float("-inf")
-        for a, b in spans:  # merge overlapping intervals (several streams)
-            if b > end:
-                busy += b - max(a, end)
-                end = b
+        for index in sorted({d for d, _, _ in events}):
+            self.busy_us[index] = _union_us([(a, b) for d, a, b in events if d == index])
+        busy = _union_us([(a, b) for _, a, b in events])
         return busy / wall_us if wall_us else None
+
+
+def _union_us(spans: list) -> float:
+    """Length of the union of [start, end) intervals (overlapping streams count once)."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
 
 
 # -- reports --------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python benchmarks/dflash_throughput.py                        # GPU: cuda:0, default assets
     python benchmarks/dflash_throughput.py --devices cuda:0,cuda:1
+    python benchmarks/dflash_throughput.py --target-shape 0.6b    # a random-init Qwen3-0.6B-shaped target
     python benchmarks/dflash_throughput.py --quick                # CPU reduced form (tiny assets)
 
 threaded: ``examples.dflash_trainer.train.train`` with T target threads producing features and
@@ -17,6 +18,10 @@ replicas, the batches with their anchors, the execution policy and the learning-
 so both pipelines see the same data order, anchors, sizes and compilation (reduce-overhead on
 GPU, with CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on
 CPU). It processes as many batches as the threaded run; the same share of them is warmup.
+
+Besides tokens/s, the sequential loop measures the GPU time of one batch's kernels (the GPU-bound
+limit of both pipelines), its host time per batch (what one thread holds the GIL for) and both cells
+their startup seconds; ``dflash_report`` turns these into the headline figures (benchmarks/README.md).
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
 error row and the other still runs.
@@ -36,21 +41,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+import dflash_report  # noqa: E402
 
 import torch  # noqa: E402
 
 from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
+from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
+
+PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
+
 
 def run_threaded(cfg) -> dict:
+    """The trainer itself. startup_s: from the call of ``train`` (pipeline build, model loads, worker
+    setups, compilation, capture) to the end of the first tokens/s window, the first LOG_EVERY
+    drafter steps; the steady figure is the median of the windows after it, without the last one,
+    which holds the pipeline's drain (the targets have stopped feeding; it is reported apart)."""
     from examples.dflash_trainer.train import train
 
-    windows = []
-    results = train(cfg, progress=lambda r: windows.append(r["tokens_per_s"]) if "tokens_per_s" in r else None)
-    steady = windows[1:] or windows
+    windows, first_window_end = [], []
+
+    def progress(record):
+        if "tokens_per_s" in record:
+            windows.append(record["tokens_per_s"])
+            if not first_window_end:
+                first_window_end.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    results = train(cfg, progress=progress)
+    steady = windows[1:-1] if len(windows) > 2 else windows[1:] or windows
     return {
         "tokens_per_s": statistics.median(steady),
-        "tokens_per_s_last": results["last"]["tokens_per_s"],
+        "tokens_per_s_last_window": windows[-1],
         "windows_tokens_per_s": windows,
+        "steady_windows": len(steady),
+        "startup_s": first_window_end[0] - t0,
         "placement": results.get("placement"),
         "mode": results.get("mode"),
         "gil_switch_interval_ms": results.get("gil_switch_interval_ms"),
@@ -61,10 +85,17 @@ def run_threaded(cfg) -> dict:
 
 def run_sequential(cfg, warmup_batches: int) -> dict:
     """The trainer's components stepped in turn by one thread: for global batch b, the target
-    stage of replica b % R, then that drafter replica's forward-backward and update (no averaging)."""
+    stage of replica b % R, then that drafter replica's forward-backward and update (no averaging).
+
+    Rounds (one batch per replica each): warmup (compilation, capture; startup_s ends with it), then
+    PROBE_ROUNDS of the host probe (the device is synchronised before and after each batch, so the
+    perf_counter span around its Python work is host time alone, which holds the GIL), then, on GPU,
+    PROBE_ROUNDS under torch.profiler (each device's kernel-busy time: the GPU time of a batch), then
+    the timed rounds of tokens/s."""
     from examples.dflash_trainer.pipeline import Pipeline
     from examples.dflash_trainer.schedule import Schedule
 
+    t0 = time.perf_counter()
     parts = Pipeline.build(cfg)
     devices = [torch.device(d) for d in parts.devices]
     total = parts.schedule.total_steps * cfg.drafters  # batches, as many as the threaded run
@@ -78,43 +109,72 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         stage = parts.target_stage(device)
         replicas.append((stage, parts.replica(device, schedule, target=stage.target)))  # one target per device
     batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
+    on_gpu = devices[0].type == "cuda"
 
     warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
+    probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (2 if on_gpu else 1)))
+    host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
+    busy, host_ms, startup_s = common.BusyProbe(), [], None
+
+    def one_batch(r, i, stage, replica, timed):
+        b = r * len(replicas) + i
+        if stage.device.type == "cuda":
+            torch.cuda.set_device(stage.device)
+        index, *host = batches[b % cfg.targets].next()
+        assert index == b, (index, b)
+        inputs = stage.to_device(*host)
+        if timed:
+            fwd_timer.start()
+        batch = stage.forward(*inputs)
+        if timed:
+            fwd_timer.stop()
+            step_timer.start()
+        replica.forward_backward(batch)
+        replica.update()
+        if timed:
+            step_timer.stop()
+
     for r in range(rounds):
         if r == warm_rounds:
-            common.sync()
+            _sync_all(devices)
+            startup_s = time.perf_counter() - t0
+        if r == host_end and on_gpu and probe:
+            busy.start()
+        if r == gpu_end:
+            if on_gpu and probe:
+                busy.stop()
+            _sync_all(devices)
             fwd_timer.discard()
             step_timer.discard()
             wall.begin()
         torch.compiler.cudagraph_mark_step_begin()
         for i, (stage, replica) in enumerate(replicas):
-            b = r * len(replicas) + i
-            if stage.device.type == "cuda":
-                torch.cuda.set_device(stage.device)
-            index, *host = batches[b % cfg.targets].next()
-            assert index == b, (index, b)
-            inputs = stage.to_device(*host)
-            if i == 0:
-                fwd_timer.start()
-            batch = stage.forward(*inputs)
-            if i == 0:
-                fwd_timer.stop()
-                step_timer.start()
-            replica.forward_backward(batch)
-            replica.update()
-            if i == 0:
-                step_timer.stop()
+            hosted = warm_rounds <= r < host_end
+            if hosted:
+                _sync_all(devices)
+                h0 = time.perf_counter()
+            one_batch(r, i, stage, replica, timed=i == 0 and r >= gpu_end)
+            if hosted:
+                host_ms.append((time.perf_counter() - h0) * 1000)
+                _sync_all(devices)
     wall.finish()
     fwd_timer.finish()
     step_timer.finish()
-    timed_batches = (rounds - warm_rounds) * len(replicas)
+    timed_batches = (rounds - gpu_end) * len(replicas)
     seconds = wall.t1 - wall.t0
+    gpu_batches = probe  # per device: one batch per round
     return {
         "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
+        "startup_s": startup_s,
+        "host_ms_per_batch": common.p50(host_ms),
+        "host_probe_batches": len(host_ms),
+        "gpu_ms_per_batch_by_device": {str(d): us / 1000 / gpu_batches for d, us in busy.busy_us.items()}
+        if on_gpu and gpu_batches else {},
+        "gpu_probe_batches_per_device": gpu_batches if on_gpu else 0,
         "devices": parts.devices,
         "mode": parts.policy.mode,
         "loss_last": float(replicas[0][1].history[-1, 0]),
@@ -122,6 +182,12 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "drafter_step_p50_ms": common.p50(step_timer.ms),
         "drafter_step_p90_ms": common.p90(step_timer.ms),
     }
+
+
+def _sync_all(devices) -> None:
+    for device in dict.fromkeys(devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -136,12 +202,33 @@ def make_config(args, out_dir: str):
                  "gil_switch_interval_ms", "cuda_graphs"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    if args.assets == "tiny":
-        from examples.dflash_trainer.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.assets import BuildSpec, default_assets
 
-        tiny = default_assets(spec=BuildSpec.tiny())
-        kw.update(target=str(tiny.target_dir), data=str(tiny.train_jsonl))
+    # Built (or found in the cache) once here, outside the timed cells.
+    assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
+    if args.target_shape is not None:
+        from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, shape_target
+
+        print(f"[target shape {args.target_shape}: building it if it is not cached] WARNING: {RANDOM_WEIGHTS_WARNING}",
+              file=sys.stderr, flush=True)
+        kw.update(target=str(shape_target(args.target_shape, assets).dir), data=str(assets.train_jsonl))
+    elif args.assets == "tiny":
+        kw.update(target=str(assets.target_dir), data=str(assets.train_jsonl))
     return TrainConfig(**kw)
+
+
+def theme(args) -> str:
+    """``dflash-throughput-<target>-<graphs>``."""
+    return f"dflash-throughput-{target_label(args)}-{graphs(args)}"
+
+
+def target_label(args) -> str:
+    """The --target-shape, or default / tiny-assets for the embedded targets."""
+    return args.target_shape or ("default" if args.assets == "default" else "tiny-assets")
+
+
+def graphs(args) -> str:
+    return (args.cuda_graphs or "trees") if common.on_gpu() else "eager"
 
 
 def run_cell_subprocess(args, name: str, cfg) -> dict:
@@ -160,51 +247,9 @@ def run_cell_subprocess(args, name: str, cfg) -> dict:
         return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
 
 
-def report(args, env: dict, cfg, threaded: dict, sequential: dict) -> tuple[str, dict]:
-    from examples.dflash_trainer.metrics import format_phases
-
-    ratio = None
-    if threaded.get("tokens_per_s") and sequential.get("tokens_per_s"):
-        ratio = threaded["tokens_per_s"] / sequential["tokens_per_s"]
-    drafter_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("drafter") and w["p50_ms"]]
-    target_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("target") and w["p50_ms"]]
-    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
-    form = "GPU" if env["gpu"] else "CPU reduced form (tiny sizes; says nothing about CUDA graphs)"
-    columns = ["pipeline", "threads", "tokens/s (steady)", "tokens/s (last window)", "drafter step p50 ms",
-               "target forward p50 ms", "mode", "note"]
-    rows = [
-        [f"threaded {cfg.targets} + {cfg.drafters}", cfg.targets + cfg.drafters, threaded.get("tokens_per_s"),
-         threaded.get("tokens_per_s_last"), mean(drafter_p50), mean(target_p50), threaded.get("mode"),
-         f"error: {threaded['error']}" if "error" in threaded else "mean over workers; step = worker step()"],
-        ["sequential colocated", 1, sequential.get("tokens_per_s"), None, sequential.get("drafter_step_p50_ms"),
-         sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
-         f"error: {sequential['error']}" if "error" in sequential else
-         f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup"],
-    ]
-    workers = threaded.get("workers", {})
-    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures", "host ms per phase (p50)"]
-    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"],
-              format_phases(w.get("phases_p50_ms", {})) or "-"] for name, w in workers.items()]
-    lines = [
-        f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
-        f"- devices: {cfg.devices or 'all visible GPUs, else cpu'}; {cfg.targets} target + {cfg.drafters} drafter threads "
-        f"vs one thread; {cfg.max_steps} drafter steps = {cfg.max_steps * cfg.drafters} batches of {cfg.batch_size} x "
-        f"{cfg.seq_len} tokens; block {cfg.block_size}, {cfg.num_anchors} anchors, {cfg.num_draft_layers} drafter layers",
-        f"- target: {cfg.target or 'embedded default assets'}; GIL switch interval of the threaded run: "
-        f"{common.fmt(threaded.get('gil_switch_interval_ms'))} ms",
-        f"- excluded: the threaded run's first {LOG_EVERY}-step window and the same share of the sequential batches "
-        "(setup, compilation, capture)",
-        *([] if env["gpu"] else ["- one intra-op thread per process (torch.set_num_threads(1))"]),
-        "", common.markdown_table(columns, rows), "",
-        f"**threaded / sequential tokens/s: {common.fmt(ratio)}x** (target >= 1.5)", "",
-        "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
-    ]
-    return "\n".join(lines), {"ratio": ratio}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, help="drafter steps of the threaded run (default 100; quick 20)")
+    p.add_argument("--steps", type=int, help="drafter steps of the threaded run (default 100; quick 30)")
     p.add_argument("--devices", help="comma list (default cuda:0, else cpu)")
     p.add_argument("--targets", type=int, default=5)
     p.add_argument("--drafters", type=int, default=3)
@@ -218,7 +263,11 @@ def parse_args(argv=None):
                    help="both pipelines: CUDAGraph Trees (default) or whole-step graphs (threadgraph.capture_step)")
     p.add_argument("--gil-switch-interval-ms", type=float,
                    help="the threaded run's GIL switch interval (default: Python's, 5 ms)")
-    p.add_argument("--assets", choices=("default", "tiny"), help="embedded target and data (default; quick: tiny)")
+    p.add_argument("--assets", choices=("default", "tiny"), help="embedded target and data (default; quick: tiny); "
+                   "with --target-shape, the tokenizer and data only")
+    p.add_argument("--target-shape", choices=tuple(SHAPES),
+                   help="a random-init Qwen3 target of this published shape (tiny for tests) on the embedded tokenizer "
+                        "and data, built once and cached: a target that gives the GPU real work")
     p.add_argument("--quick", action="store_true", help="CPU reduced form for CI: tiny assets and sizes, few steps")
     p.add_argument("--cell-timeout", type=int, default=600)
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
@@ -236,14 +285,15 @@ def parse_args(argv=None):
         available_devices(TrainConfig(devices=args.devices).device_list)
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
-    args.steps = args.steps or (20 if args.quick else 100)
+    args.steps = args.steps or (30 if args.quick else 100)  # quick: a steady window between the first and the last
     args.assets = args.assets or ("tiny" if args.quick else "default")
     if args.quick:
         for name, value in (("seq_len", 64), ("batch_size", 2), ("num_anchors", 4)):
             if getattr(args, name) is None:
                 setattr(args, name, value)
-    if args.assets == "tiny" and args.num_target_layers_used is None:
-        args.num_target_layers_used = 1  # the tiny target has 2 layers: room for one feature layer
+    two_layers = args.target_shape == "tiny" if args.target_shape else args.assets == "tiny"
+    if two_layers and args.num_target_layers_used is None:
+        args.num_target_layers_used = 1  # the tiny targets have 2 layers: room for one feature layer
     if args.steps <= LOG_EVERY:
         p.error(f"--steps must exceed {LOG_EVERY} (the first window of the trainer's tokens/s counter is warmup)")
     return args
@@ -266,25 +316,36 @@ def main(argv=None) -> int:
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
-        if args.assets == "default":  # build (or find) the cached assets once, outside the timed cells
-            from examples.dflash_trainer.assets import default_assets
-
-            default_assets()
         cfg = make_config(args, run_dir)
         results = {}
         for name in ("threaded", "sequential"):
             print(f"[{name}]", file=sys.stderr, flush=True)
             results[name] = run_cell_subprocess(args, name, cfg)
-    text, extra = report(args, env, cfg, results["threaded"], results["sequential"])
+    figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None)
+    shape = target_label(args)
+    text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures)
     print(text)
     out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, "dflash-throughput")
+    stem = common.results_stem(env, theme(args))
     common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
-                                             **results, **extra})
+                                             "shape": shape, "graphs": graphs(args),
+                                             "target_params": _target_params(args),
+                                             **results, **figures})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
+
+
+def _target_params(args) -> int:
+    """The target's parameter count, from its build report (both builds are cached by now)."""
+    from examples.dflash_trainer.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.shapes import shape_target
+
+    assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
+    if args.target_shape is not None:
+        return shape_target(args.target_shape, assets).report["num_parameters"]
+    return assets.load_report()["num_parameters"]
 
 
 if __name__ == "__main__":

@@ -117,11 +117,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        if args.assets == "default":
-            from examples.dflash_trainer.assets import default_assets
-
-            default_assets()
-        cfg = dflash_throughput.make_config(args, run_dir)
+        cfg = dflash_throughput.make_config(args, run_dir)  # builds the assets (and a --target-shape) if missing
         out = common.results_dir(args.out_dir)
         recorder = pyspy.Recorder(py_spy, Path(run_dir), args.seconds, args.rate)
         results = train(cfg, progress=lambda r: recorder.start() if r.get("step", 0) >= args.start_step else None)

@@ -31,8 +31,8 @@ def _env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
 
 
-def _start(script, out_dir):
-    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out-dir", str(out_dir)],
+def _start(script, out_dir, *extra):
+    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra, "--out-dir", str(out_dir)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -43,7 +43,8 @@ def runs(tmp_path_factory):
     skip = _dflash_skip_reason()
     procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay")}
     if skip is None:
-        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash"), base / "dflash")
+        # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
+        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny"), base / "dflash")
     yield procs, skip
     for proc, _ in procs.values():
         if proc.poll() is None:
@@ -89,13 +90,21 @@ def test_dflash_throughput_quick(runs):
         pytest.skip(skip)
     proc, out_dir = procs["dflash"]
     stdout = _finish(proc)
-    assert "threaded / sequential tokens/s" in stdout
-    data = json.loads(_one(out_dir, "dflash-throughput_cpu_torch*.json").read_text())
+    assert "threaded / sequential tokens/s" in stdout and "GPU-bound limit: not available (no CUDA" in stdout
+    data = json.loads(_one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json").read_text())
+    assert (data["shape"], data["graphs"]) == ("tiny", "eager") and data["target_params"] > 0
     for name in ("threaded", "sequential"):
         assert "error" not in data[name], data[name]
         assert data[name]["tokens_per_s"] > 0
+    windows = data["threaded"]["windows_tokens_per_s"]
+    assert len(windows) == 3 and data["threaded"]["steady_windows"] == 1
+    assert data["tokens_per_s_threaded"] == windows[1] and data["tokens_per_s_last_window_threaded"] == windows[-1]
     assert data["ratio"] is not None
-    assert _one(out_dir, "dflash-throughput_cpu_torch*.md").exists()
+    assert 0 < data["startup_s_threaded"] < data["seconds"] and 0 < data["startup_s_sequential"] < data["seconds"]
+    assert data["host_gil_ms_per_batch"] > 0 and data["sequential"]["host_probe_batches"] == 5
+    assert data["gpu_bound_tokens_per_s"] is None and "no CUDA" in data["gpu_bound_reason"]
+    assert data["projected_gpus_per_process"] is None and data["ratio_threaded_to_gpu_bound"] is None
+    assert _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.md").exists()
 
 
 def test_gil_profile_quick(runs, tmp_path):

@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if config.target_shape is not None:
+        from .shapes import RANDOM_WEIGHTS_WARNING
+
+        print(f"WARNING: {RANDOM_WEIGHTS_WARNING} (the first run with a shape builds and caches it)",
+              file=sys.stderr, flush=True)
     from tqdm import tqdm
 
     from .checkpoint import RunFinished
@@ -134,7 +139,9 @@ def _bad_input(err: BaseException) -> BadInput | None:
 def _print_summary(r: dict) -> None:
     print(f"\nDFlash drafter training: {r['mode']}, {r['placement']}")
     report = r.get("target_report") or {}
-    if report:
+    if report.get("random_weights"):
+        print(f"target: random-init Qwen3 shape {report['shape']} ({report['num_parameters'] / 1e9:.2f}B parameters)")
+    elif report:
         print(f"target: held-out loss {report.get('heldout_loss_before', float('nan')):.3f} -> "
               f"{report.get('heldout_loss_after', float('nan')):.3f} after its own training")
     last = r.get("last", {})
@@ -144,8 +151,9 @@ def _print_summary(r: dict) -> None:
               f"acc@k=1 {last['acc_k1']:.3f}, drafter tokens/s {steady:.0f} (after warmup, eval excluded)")
     base, final = r.get("baseline", {}), r.get("eval", {})
     if final:
+        meaningless = "  MEANINGLESS: the target has random weights" if report.get("random_weights") else ""
         print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
-              f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f})")
+              f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f}){meaningless}")
     print(f"startup {r['startup_s']:.1f} s to the last worker's first steady step (build {r['build_s']:.1f} s)")
     for name, w in r["workers"].items():
         p50 = f"{w['p50_ms']:.2f} ms" if w["p50_ms"] is not None else "-"

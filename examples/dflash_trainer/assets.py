@@ -179,12 +179,12 @@ def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool 
         return assets
 
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / f".{name}.lock"):
+    with exclusive_lock(root / f".{name}.lock"):
         # Another process may have finished the build while we waited for the lock.
         if not force and _is_current(assets, spec):
             logger.info("default assets: built by another process while waiting: %s", assets.root)
             return assets
-        _remove_leftovers(root, name)
+        remove_leftovers(root, name)
         logger.info("default assets: building %s once (the default spec takes about 2-4 "
                     "minutes on 2 CPU cores; later calls load the cache)", assets.root)
         tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -193,10 +193,10 @@ def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool 
             from . import assets_build  # transformers and tokenizers load only for a build
 
             assets_build.build(tmp, spec)
-            _swap_into_place(tmp, assets.root)
+            swap_into_place(tmp, assets.root)
         except BaseException:
             # Covers KeyboardInterrupt too; a SIGKILL leaves tmp behind, and the next
-            # build removes it under the lock (_remove_leftovers).
+            # build removes it under the lock (remove_leftovers).
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return assets
@@ -224,7 +224,7 @@ def _is_current(assets: DefaultAssets, spec: BuildSpec) -> bool:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path) -> Iterator[None]:
     """Inter-process lock: ``filelock`` when installed, else ``fcntl.flock``."""
     try:
         import filelock
@@ -256,14 +256,14 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _remove_leftovers(root: Path, name: str) -> None:
+def remove_leftovers(root: Path, name: str) -> None:
     # Only called under the lock, so no live build owns these.
     for p in list(root.glob(f".{name}.tmp-*")) + list(root.glob(f".{name}.old-*")):
         logger.warning("default assets: removing leftover of an interrupted build: %s", p)
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _swap_into_place(tmp: Path, final: Path) -> None:
+def swap_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final, old)

@@ -10,17 +10,24 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .shapes import SHAPES
+
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
 _CUDA_GRAPHS = ("trees", "whole-step")
-CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS}  # for the CLI
+_TARGET_SHAPES = tuple(SHAPES)
+CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS,
+           "target_shape": _TARGET_SHAPES}  # for the CLI
 
 
 @dataclass
 class TrainConfig:
     target: str | None = None  # local HF model dir; None = the embedded tiny default target
+    # A random-init Qwen3 target of a published shape (shapes.SHAPES) on the embedded tokenizer and
+    # data, built and cached locally: for throughput work only (tau means nothing with random weights).
+    target_shape: str | None = None
     data: str | None = None  # JSONL path; None = the embedded default data
     out_dir: str = "runs/dflash"
     targets: int = 5  # target worker threads (producers of features)
@@ -89,6 +96,11 @@ class TrainConfig:
         _check_choice("compile", self.compile, _COMPILE_MODES)
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("cuda_graphs", self.cuda_graphs, _CUDA_GRAPHS)
+        if self.target_shape is not None:
+            _check_choice("target_shape", self.target_shape, _TARGET_SHAPES)
+            if self.target is not None:
+                raise ValueError("--target-shape and --target are mutually exclusive: --target-shape builds a "
+                                 "random-init target of that shape, --target loads yours; pass one")
         for name in ("resume", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

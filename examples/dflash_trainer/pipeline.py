@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,9 +31,19 @@ from .step import METRIC_NAMES
 from .target import TargetModel, TargetSource
 from .target_stage import TargetStage
 
+log = logging.getLogger("dflash")
+
 
 def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Optional[dict]]:
     """(target_dir, train_jsonl, eval_jsonl or None, target report or None)."""
+    if config.target_shape is not None:  # random weights of a real size on the embedded tokenizer and data
+        from .assets import default_assets
+        from .shapes import RANDOM_WEIGHTS_WARNING, shape_target
+
+        assets = default_assets()
+        built = shape_target(config.target_shape, assets)
+        log.warning("dflash: %s", RANDOM_WEIGHTS_WARNING)
+        return str(built.dir), config.data or str(assets.train_jsonl), str(assets.eval_jsonl), built.report
     if config.target is None:
         from .assets import default_assets
 

@@ -1,0 +1,95 @@
+"""The report of ``dflash_throughput.py``: the headline figures computed from its two cells, and the
+markdown that presents them (both go into the results JSON / .md; ``readme_tables.py`` reads the JSON)."""
+
+from __future__ import annotations
+
+import common
+from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
+
+
+def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool) -> dict:
+    """The figures the README table shows, from both cells.
+
+    GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
+    seq_len per batch over the busiest device's kernel time per batch (sequential loop, under
+    torch.profiler), times the devices. GIL: the sequential loop's host time per batch (perf_counter
+    around one batch's Python work, the device synchronised before and after), and the number of GPUs
+    one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch."""
+    batch_tokens = cfg.batch_size * cfg.seq_len
+    gpu_ms = sequential.get("gpu_ms_per_batch_by_device") or {}
+    devices = len(sequential.get("devices") or [None])
+    out = {"tokens_per_s_threaded": threaded.get("tokens_per_s"),
+           "tokens_per_s_sequential": sequential.get("tokens_per_s"),
+           "tokens_per_s_last_window_threaded": threaded.get("tokens_per_s_last_window"),
+           "startup_s_threaded": threaded.get("startup_s"), "startup_s_sequential": sequential.get("startup_s"),
+           "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
+           "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
+    out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
+    if out["gpu_ms_per_batch"]:
+        out["gpu_bound_tokens_per_s"] = devices * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
+        out["gpu_bound_reason"] = None
+    else:
+        out["gpu_bound_tokens_per_s"] = None
+        out["gpu_bound_reason"] = ("no CUDA: the GPU-bound limit needs the GPU kernel time of a batch" if not on_gpu
+                                   else "the sequential cell measured no GPU kernel time (it failed, or ran too few rounds)")
+    out["ratio_threaded_to_gpu_bound"] = _div(out["tokens_per_s_threaded"], out["gpu_bound_tokens_per_s"])
+    out["ratio_sequential_to_gpu_bound"] = _div(out["tokens_per_s_sequential"], out["gpu_bound_tokens_per_s"])
+    out["projected_gpus_per_process"] = _div(out["gpu_ms_per_batch"], out["host_gil_ms_per_batch"])
+    return out
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures: dict) -> str:
+    drafter_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("drafter") and w["p50_ms"]]
+    target_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("target") and w["p50_ms"]]
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+    form = "GPU" if env["gpu"] else "CPU reduced form (tiny sizes; says nothing about CUDA graphs)"
+    columns = ["pipeline", "threads", "tokens/s (steady)", "tokens/s (last window)", "startup s", "drafter step p50 ms",
+               "target forward p50 ms", "mode", "note"]
+    rows = [
+        [f"threaded {cfg.targets} + {cfg.drafters}", cfg.targets + cfg.drafters, threaded.get("tokens_per_s"),
+         threaded.get("tokens_per_s_last_window"), threaded.get("startup_s"), mean(drafter_p50), mean(target_p50),
+         threaded.get("mode"), f"error: {threaded['error']}" if "error" in threaded else
+         f"median of {threaded.get('steady_windows')} windows; step = worker step(), mean over workers"],
+        ["sequential colocated", 1, sequential.get("tokens_per_s"), None, sequential.get("startup_s"),
+         sequential.get("drafter_step_p50_ms"), sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
+         f"error: {sequential['error']}" if "error" in sequential else
+         f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the probes"],
+    ]
+    limit = figures["gpu_bound_tokens_per_s"]
+    gpu_line = (f"- GPU-bound limit: {common.fmt(limit, 0)} tokens/s ({common.fmt(figures['gpu_ms_per_batch'], 3)} ms of kernels "
+                f"per batch); threaded {common.fmt(figures['ratio_threaded_to_gpu_bound'])}x of it, sequential "
+                f"{common.fmt(figures['ratio_sequential_to_gpu_bound'])}x" if limit is not None
+                else f"- GPU-bound limit: not available ({figures['gpu_bound_reason']})")
+    workers = threaded.get("workers", {})
+    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures", "host ms per phase (p50)"]
+    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"],
+              format_phases(w.get("phases_p50_ms", {})) or "-"] for name, w in workers.items()]
+    lines = [
+        f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
+        f"- devices: {cfg.devices or 'all visible GPUs, else cpu'}; {cfg.targets} target + {cfg.drafters} drafter threads "
+        f"vs one thread; {cfg.max_steps} drafter steps = {cfg.max_steps * cfg.drafters} batches of {cfg.batch_size} x "
+        f"{cfg.seq_len} tokens; block {cfg.block_size}, {cfg.num_anchors} anchors, {cfg.num_draft_layers} drafter layers",
+        f"- target: {shape}" + (" (random weights: throughput only)" if shape in _random_shapes() else "")
+        + f" ({cfg.target or 'embedded default assets'}); GIL switch interval of the threaded run: "
+        f"{common.fmt(threaded.get('gil_switch_interval_ms'))} ms",
+        f"- excluded from the steady figures: the threaded run's first {LOG_EVERY}-step window (setup, compilation, capture) "
+        "and its last (the drain), the same warmup share of the sequential batches and its probe rounds",
+        *([] if env["gpu"] else ["- one intra-op thread per process (torch.set_num_threads(1))"]),
+        "", common.markdown_table(columns, rows), "",
+        f"**threaded / sequential tokens/s: {common.fmt(figures['ratio'])}x** (target >= 1.5)", "",
+        gpu_line,
+        f"- host time per batch holding the GIL (sequential loop): {common.fmt(figures['host_gil_ms_per_batch'], 3)} ms; "
+        f"GPUs one process could feed before the GIL saturates: {common.fmt(figures['projected_gpus_per_process'], 1)}",
+        "", "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
+    ]
+    return "\n".join(lines)
+
+
+def _random_shapes():
+    from examples.dflash_trainer.shapes import SHAPES
+
+    return SHAPES

@@ -1,0 +1,141 @@
+"""Rewrite README.md's DFlash results from the committed results files (``--check``: only compare).
+
+    python benchmarks/readme_tables.py            # rewrite the sections between the markers
+    python benchmarks/readme_tables.py --check    # exit 1 if the README is stale
+
+The section between ``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end -->`` gets one row per
+(target shape, graphs mode): the newest ``dflash-throughput-*.json`` of that pair (by the run's date,
+then file name). The embedded default target is labelled a launch-bound smoke case: it gives the GPU
+about 0.3 ms of work per batch, so it measures overheads, not a pipeline. The section between
+``<!-- dflash-tau:begin -->`` and ``<!-- dflash-tau:end -->`` gets the newest
+``dflash-tau-reproducibility_*.json`` (benchmarks/tau_reproducibility.py): tau next to its baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = ("<!-- dflash-table:begin -->", "<!-- dflash-table:end -->")
+TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
+SHAPE_ORDER = ("default", "tiny-assets", "tiny", "0.6b", "1.7b", "4b", "8b")
+COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
+           "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
+           "startup s sequential", "GIL host ms/batch", "GPUs one process feeds", "results")
+
+
+def newest_runs(results: Path) -> list[tuple[dict, str]]:
+    """(data, file name) of the newest run per (shape, graphs), in SHAPE_ORDER then graphs order."""
+    newest: dict[tuple[str, str], tuple[tuple, dict, str]] = {}
+    for path in sorted(results.glob("dflash-throughput-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            key, date = (data["shape"], data["graphs"]), data["env"]["date"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}: not a dflash_throughput results JSON with shape, graphs and env.date ({exc!r})")
+        if key not in newest or (date, path.name) > newest[key][0]:
+            newest[key] = ((date, path.name), data, path.name)
+    order = {s: i for i, s in enumerate(SHAPE_ORDER)}
+    keys = sorted(newest, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
+    return [(newest[k][1], newest[k][2]) for k in keys]
+
+
+def _num(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value / 1000:.0f}k" if abs(value) < 1e6 else f"{value / 1e6:.2f}M"
+    return f"{value:.{digits}f}"
+
+
+def _target(data: dict) -> str:
+    shape = data["shape"]
+    if shape == "default":
+        return "embedded default (1.7M-param toy): launch-bound smoke case"
+    if shape in ("tiny", "tiny-assets"):
+        return f"{shape} (CI size): smoke case"
+    params = data.get("target_params")
+    return f"Qwen3-{shape.upper()} shape, random init" + (f" ({params / 1e9:.2f}B params)" if params else "")
+
+
+def table(results: Path) -> str:
+    runs = newest_runs(results)
+    if not runs:
+        return ("No results yet: no `benchmarks/results/dflash-throughput-*.json` is committed. Run the commands of "
+                "`benchmarks/README.md` (Running on a GPU) and then `python benchmarks/readme_tables.py`.")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for data, name in runs:
+        device = data["env"].get("gpu") or "CPU"
+        cells = [_target(data), data["graphs"], _num(data.get("tokens_per_s_threaded")),
+                 _num(data.get("tokens_per_s_sequential")), _num(data.get("ratio")),
+                 _num(data.get("gpu_bound_tokens_per_s")), _num(data.get("ratio_threaded_to_gpu_bound")),
+                 _num(data.get("ratio_sequential_to_gpu_bound")), _num(data.get("startup_s_threaded"), 1),
+                 _num(data.get("startup_s_sequential"), 1), _num(data.get("host_gil_ms_per_batch")),
+                 _num(data.get("projected_gpus_per_process"), 1),
+                 f"[{name}](benchmarks/results/{name}) ({device}, torch {data['env'].get('torch')})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tau_section(results: Path) -> str:
+    found = sorted(results.glob("dflash-tau-reproducibility_*.json"),
+                   key=lambda p: (json.loads(p.read_text())["env"]["date"], p.name))
+    if not found:
+        return "No tau reproducibility results yet (`python benchmarks/tau_reproducibility.py`)."
+    data = json.loads(found[-1].read_text())
+    env, builds = data["env"], data["builds"]
+    runs = [b["run"] for b in builds if b.get("run")]
+    where = f"{env.get('gpu') or 'CPU'}, {env.get('cpus')} CPUs, torch {env.get('torch')}, {env.get('date')}"
+    same = ("bit-identical (the SHA-256 of every asset file; the build reports equal but for their timings)" if data["bit_identical"]
+            else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
+    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}."]
+    for i, run in enumerate(runs):
+        lines.append(f"- run {i + 1}: tau {run['tau']:.3f} after {run['steps']} steps, against "
+                     f"{run['tau_random_init']:.3f} for the random-init drafter and {run['tau_repeat_last_token']:.3f} "
+                     "for repeat-last-token")
+    if len(runs) > 1:
+        lines.append(f"- spread of tau over the {len(runs)} runs: {data['tau']['min']:.3f} - {data['tau']['max']:.3f}")
+    lines.append(f"\n([{found[-1].name}](benchmarks/results/{found[-1].name}))")
+    return "\n".join(lines)
+
+
+def _replace(text: str, markers: tuple[str, str], body: str) -> str:
+    begin, end = markers
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SystemExit(f"the README must hold {begin} once, then {end} once")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def render(readme_text: str, results: Path) -> str:
+    return _replace(_replace(readme_text, TABLE, table(results)), TAU, tau_section(results))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results", help="results directory")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--check", action="store_true", help="exit 1 if the README's sections are not what the results give")
+    args = p.parse_args(argv)
+    old = args.readme.read_text()
+    new = render(old, args.results)
+    if args.check:
+        if new != old:
+            print(f"{args.readme}: the DFlash results are stale; run python benchmarks/readme_tables.py", file=sys.stderr)
+            return 1
+        print(f"{args.readme}: the DFlash results are up to date")
+        return 0
+    if new != old:
+        args.readme.write_text(new)
+        print(f"rewrote the DFlash results of {args.readme}")
+    else:
+        print(f"{args.readme}: the DFlash results were up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

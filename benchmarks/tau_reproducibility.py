@@ -1,0 +1,120 @@
+"""Does the embedded default reproduce? Build it fresh N times, compare the builds bit for bit, and
+train the default drafter on some of them: acceptance length tau with its baselines per build.
+
+    python benchmarks/tau_reproducibility.py --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
+
+Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, about 3 minutes
+on 2 CPU cores; a complete one is reused). The first ``--train`` of them get a default trainer run
+(``python -m examples.dflash_trainer --devices cpu --json`` with ``THREADGRAPH_CACHE=DIR``), whose
+tau and baselines are kept in ``DIR/tau-run.json``, so a later call only runs what is missing. The
+report (``dflash-tau-reproducibility_<gpu-or-cpu>_torch<ver>_<date>.{json,md}``) lists each file's
+SHA-256 per build, the target reports' differences (build timings aside) and the runs' tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+
+from examples.dflash_trainer.assets import default_assets  # noqa: E402
+
+_RUN = "tau-run.json"
+_VARYING = ("timings",)  # report keys that differ by build duration, not by content
+_REPORT = "target_report.json"  # holds the timings: compared as a report without them, not by hash
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """SHA-256 of every file of a default-asset build, by path relative to the build."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def train_once(cache: Path, timeout: int) -> dict:
+    """One default trainer run on the CPU against ``cache``'s assets: tau and baselines."""
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, THREADGRAPH_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer", "--devices", "cpu", "--json",
+                               "--out-dir", out], cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"trainer on {cache} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"tau": results["eval"]["tau"], "tau_random_init": results["baseline"]["tau_random_init"],
+            "tau_repeat_last_token": results["baseline"]["tau_repeat_last_token"], "steps": results["last"]["step"],
+            "loss_last": results["last"]["loss"], "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def compare(caches: list[Path], train: int, timeout: int) -> dict:
+    builds = []
+    for i, cache in enumerate(caches):
+        assets = default_assets(cache)
+        report = {k: v for k, v in assets.load_report().items() if k not in _VARYING}
+        run_file = assets.root / _RUN
+        if i < train and not run_file.is_file():
+            print(f"[training on {assets.root}]", file=sys.stderr, flush=True)
+            run_file.write_text(json.dumps(train_once(cache, timeout), indent=1) + "\n")
+        builds.append({"cache": str(assets.root), "hashes": file_hashes(assets.target_dir.parent), "report": report,
+                       "build_s": assets.load_report()["timings"]["total_s"],
+                       "run": json.loads(run_file.read_text()) if run_file.is_file() else None})
+    first = builds[0]
+    for b in builds:
+        b["hashes"].pop(_RUN, None)  # the run's record, not an asset
+        b["hashes"].pop(_REPORT, None)
+    differing = sorted({name for b in builds for name in set(b["hashes"]) | set(first["hashes"])
+                        if b["hashes"].get(name) != first["hashes"].get(name)})
+    taus = [b["run"]["tau"] for b in builds if b["run"]]
+    return {"builds": builds, "bit_identical": not differing, "differing_files": differing,
+            "reports_identical": all(b["report"] == first["report"] for b in builds),
+            "tau": {"runs": len(taus), "min": min(taus, default=None), "max": max(taus, default=None)}}
+
+
+def markdown(env: dict, result: dict) -> str:
+    rows = [[Path(b["cache"]).parent.name, b["build_s"], *(
+        (b["run"]["tau"], b["run"]["tau_random_init"], b["run"]["tau_repeat_last_token"], b["run"]["steps"],
+         b["run"]["seconds"]) if b["run"] else (None,) * 5), b["hashes"].get("target/model.safetensors", "")[:16]]
+            for b in result["builds"]]
+    verdict = ("every asset file of every build is bit-identical" if result["bit_identical"]
+               else f"the builds differ in {', '.join(result['differing_files'])}")
+    tau = result["tau"]
+    return "\n".join([
+        "# DFlash embedded default: reproducibility of the build and of tau", "", *common.header_lines(env),
+        f"- {len(result['builds'])} fresh builds of the default assets; {verdict}; target reports (timings aside) "
+        f"{'identical' if result['reports_identical'] else 'differ'}",
+        f"- tau over {tau['runs']} default trainer runs (CPU): {common.fmt(tau['min'], 3)} - {common.fmt(tau['max'], 3)}",
+        "", common.markdown_table(["build", "build s", "tau", "tau random-init drafter", "tau repeat-last-token",
+                                   "steps", "train s", "model.safetensors sha256"], rows), ""])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--caches", nargs="+", type=Path, required=True, help="one cache directory per build (>= 2)")
+    p.add_argument("--train", type=int, default=2, help="train on the first N builds (default 2)")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    if len(args.caches) < 2 or len(set(args.caches)) != len(args.caches):
+        p.error("--caches needs at least two different directories: one build is not a comparison")
+    env = common.environment()
+    result = compare(args.caches, args.train, args.timeout)
+    text = markdown(env, result)
+    print(text)
+    out = common.results_dir(args.out_dir)
+    stem = common.results_stem(env, "dflash-tau-reproducibility")
+    common.write_json(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
+    (out / f"{stem}.md").write_text(text)
+    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Random-init targets of published Qwen3 shapes (--target-shape): the shape table, the cached build,
+and both ways in: the trainer's --target-shape and the normal --target path."""
+
+import logging
+
+import pytest
+import torch
+
+from examples.dflash_trainer import assets as assets_module
+from examples.dflash_trainer import __main__ as cli
+from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.config import TrainConfig
+from examples.dflash_trainer.errors import EXIT_BAD_INPUT
+from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, qwen3_config, shape_target
+from examples.dflash_trainer.train import train
+
+VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
+# The model cards' non-embedding parameter counts (Qwen/Qwen3-*), and their config.json values.
+PUBLISHED = {"0.6b": (0.44e9, 1024, 28, 3072, 16, 8, True), "1.7b": (1.4e9, 2048, 28, 6144, 16, 8, True),
+             "4b": (3.6e9, 2560, 36, 9728, 32, 8, True), "8b": (6.95e9, 4096, 36, 12288, 32, 8, False)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shapes_build_the_published_configurations_on_the_meta_device(name):
+    from transformers import Qwen3ForCausalLM
+
+    non_embedding, hidden, layers, inter, heads, kv, tied = PUBLISHED[name]
+    config = qwen3_config(name, VOCAB)
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.tie_word_embeddings) == (hidden, layers, inter, heads,
+                                                                                       kv, 128, tied)
+    assert (config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]) == 1e6
+    assert config.rms_norm_eps == 1e-6 and config.vocab_size == 2048
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    embedding = VOCAB["vocab_size"] * hidden * (1 if tied else 2)
+    assert abs(params - embedding - non_embedding) / non_embedding < 0.02, params
+    if name == "0.6b":
+        assert 0.43e9 < params < 0.45e9
+
+
+def test_unknown_shape_and_shape_with_target_are_clear_errors(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="target_shape must be one of"):
+        TrainConfig(target_shape="70b")
+    with pytest.raises(ValueError, match="--target-shape and --target are mutually exclusive"):
+        TrainConfig(target_shape="tiny", target=str(tmp_path))
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+    code = cli.main(["--target-shape", "tiny", "--target", str(tmp_path), "--out-dir", str(tmp_path / "run")])
+    assert code == EXIT_BAD_INPUT
+    assert "--target-shape and --target are mutually exclusive" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
+
+
+def _config(out_dir, **overrides):
+    values = dict(devices="cpu", seq_len=64, block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1,
+                  num_target_layers_used=1, max_steps=2, eval_every=0, checkpoint_every=0, out_dir=str(out_dir))
+    return TrainConfig(**{**values, **overrides})
+
+
+def test_a_built_shape_is_cached_seeded_and_trains_through_the_target_path(tiny_assets, tmp_path):
+    from safetensors.torch import load_file
+
+    built = shape_target("tiny", tiny_assets, tmp_path / "cache")
+    assert built.report["random_weights"] and built.report["shape"] == "tiny"
+    assert shape_target("tiny", tiny_assets, tmp_path / "cache").dir == built.dir  # found, not rebuilt
+    again = shape_target("tiny", tiny_assets, tmp_path / "other")
+    a, b = load_file(built.dir / "model.safetensors"), load_file(again.dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the private seed, not the global RNG
+    assert all(t.dtype == torch.bfloat16 for t in a.values())
+    result = train(_config(tmp_path / "run", target=str(built.dir), data=str(tiny_assets.train_jsonl)))
+    assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
+
+
+def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_path, monkeypatch, caplog):
+    # The embedded default takes minutes to build; the tiny assets stand in for it here.
+    monkeypatch.setattr(assets_module, "default_assets", lambda: tiny_assets)
+    monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        result = train(_config(tmp_path / "run", target_shape="tiny"))
+    assert result["target_report"]["shape"] == "tiny" and len(result["losses"]) == 2
+    assert RANDOM_WEIGHTS_WARNING in caplog.text
+    assert (tmp_path / "cache" / f"dflash-shape-tiny-on-{tiny_assets.root.name}").is_dir()
+    assert set(SHAPES) >= {"tiny", "0.6b", "1.7b", "4b", "8b"}

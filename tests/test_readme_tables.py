@@ -1,0 +1,70 @@
+"""benchmarks/readme_tables.py: the README's DFlash table is a function of the committed results."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+readme_tables = importlib.import_module("readme_tables")
+
+
+def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200"):
+    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"},
+            "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
+            "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
+            "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5,
+            "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
+    name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch2.11.0_{date}.json"
+    (results / name).write_text(json.dumps(data))
+    return name
+
+
+def _readme(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
+                    "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\nafter\n")
+    return path
+
+
+def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_mode(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    _result(results, "0.6b", "trees", "2026-11-30", 100_000.0)
+    newest = _result(results, "0.6b", "trees", "2026-12-01", 240_000.0)
+    toy = _result(results, "default", "whole-step", "2026-12-01", 700_000.0)
+    readme = _readme(tmp_path)
+    argv = ["--results", str(results), "--readme", str(readme)]
+    assert readme_tables.main(argv) == 0
+    first = readme.read_text()
+    assert readme_tables.main(argv) == 0 and readme.read_text() == first
+    table = first.split("<!-- dflash-table:begin -->")[1].split("<!-- dflash-table:end -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 2
+    assert "launch-bound smoke case" in rows[0] and toy in rows[0]  # the toy first, labelled
+    assert newest in rows[1] and "240k" in rows[1] and "0.96" in rows[1] and "Qwen3-0.6B shape" in rows[1]
+    assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
+    assert "No tau reproducibility results yet" in first
+    assert readme_tables.main(argv + ["--check"]) == 0
+    run = {"tau": 2.45, "tau_random_init": 1.01, "tau_repeat_last_token": 1.12, "steps": 256}
+    (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
+        {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0"}, "bit_identical": True,
+         "differing_files": [], "tau": {"min": 2.45, "max": 2.45}, "builds": [{"run": run}, {"run": run}, {"run": None}]}))
+    assert readme_tables.main(argv + ["--check"]) == 1
+    readme_tables.main(argv)
+    tau = readme.read_text().split("<!-- dflash-tau:begin -->")[1]
+    assert "3 fresh builds" in tau and "bit-identical" in tau and "tau 2.450" in tau and "1.010" in tau and "1.120" in tau
+
+
+def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = _readme(tmp_path)
+    argv = ["--results", str(results), "--readme", str(readme)]
+    assert readme_tables.main(argv + ["--check"]) == 1  # "old" is not what no results give
+    readme_tables.main(argv)
+    assert "No results yet" in readme.read_text() and readme_tables.main(argv + ["--check"]) == 0
+    _result(results, "8b", "whole-step", "2026-12-02", 300_000.0)
+    assert readme_tables.main(argv + ["--check"]) == 1
+    assert readme.read_text().count("No results yet") == 1  # --check never writes
