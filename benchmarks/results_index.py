@@ -44,9 +44,21 @@ def replay(data: dict) -> list:
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     gpus = len(data["sequential"].get("devices", [])) or 1
-    return [(f"{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}",
-             f"threaded {data['threaded']['tokens_per_s'] / 1e3:.0f}k tokens/s, sequential "
-             f"{data['sequential']['tokens_per_s'] / 1e3:.0f}k: {data['ratio']:.2f}x")]
+    figure = (f"threaded {data['threaded']['tokens_per_s'] / 1e3:.0f}k tokens/s, sequential "
+              f"{data['sequential']['tokens_per_s'] / 1e3:.0f}k: {data['ratio']:.2f}x")
+    if data.get("gpu_bound_tokens_per_s"):
+        figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
+    if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
+        figure += f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
+    target = f"{data['shape']} target, " if "shape" in data else ""
+    return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
+
+
+def tau_reproducibility(data: dict) -> list:
+    tau = data["tau"]
+    same = "bit-identical" if data["bit_identical"] else f"differing in {len(data['differing_files'])} files"
+    return [(f"{len(data['builds'])} fresh builds of the embedded default",
+             f"{same}; tau {tau['min']:.3f} - {tau['max']:.3f} over {tau['runs']} trainer runs")]
 
 
 def _trainer_run(name: str, run: dict) -> tuple:
@@ -119,7 +131,7 @@ def gpu_scenarios(data: dict) -> list:
 
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
-              "gpu-scenarios": gpu_scenarios}
+              "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility}
 
 
 def extractor(theme: str):
