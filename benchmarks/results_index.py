@@ -17,7 +17,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = "README.md"
-NAME = re.compile(r"^(?P<theme>[a-z0-9-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
+NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
                   r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
 MODE_NAMES = {"reduce-overhead": "Trees", "whole-step": "whole-step", "eager": "eager", "compile": "compile"}
 
