@@ -15,13 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import CheckpointError, ResumeMismatch, RunFinished
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.data import DataError
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.outdir import OutDirError
 from examples.dflash_trainer.train import train

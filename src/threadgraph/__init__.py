@@ -21,7 +21,9 @@ from ._patches import install, installed, patched, patches, uninstall
 from ._stats import StepStats
 from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
 from ._wholestep import CaptureError, StepGraph, capture_step
-from ._worker import CompiledWorkerThread, GroupStopped, WorkerGroup
+from ._errors import GroupStopped
+from ._group import WorkerGroup
+from ._worker import CompiledWorkerThread
 
 __version__ = "0.1.0"
 

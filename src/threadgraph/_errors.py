@@ -44,3 +44,8 @@ class CaptureConflictError(ThreadgraphError):
         self.device = device
         self.capturing_thread = capturing_thread
         self.op = op
+
+
+class GroupStopped(ThreadgraphError):
+    """Raised in a worker blocked on its group's ``queue()`` when the group stops or fails; the
+    worker then ends quietly (it is stopping), and ``join()`` raises the first failure, if any."""

@@ -192,7 +192,7 @@ HAZARDS: tuple[Hazard, ...] = (
         "detected: `torch.fx._symbolic_trace._is_fx_tracing_flag` is a module-global bool "
         "(2.14+ keeps it in `_is_fx_tracing_tls`)",
         "2.1 - 2.13",
-        f"2.11.0 (seen in the DFlash trainer on an H200), 2.13.0 (CPU test); 2.14.1, 2.15.0: absent",
+        "2.11.0 (seen in the DFlash trainer on an H200), 2.13.0 (CPU test); 2.14.1, 2.15.0: absent",
         (_gh(126024), _gh(168999, "pull")),
         "",
         _compat.fx_tracing_flag_is_global,

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from ._worker import CompiledWorkerThread, WorkerGroup
+from ._group import WorkerGroup
+from ._worker import CompiledWorkerThread
 
 WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 

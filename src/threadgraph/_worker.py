@@ -1,22 +1,24 @@
-"""CompiledWorkerThread and WorkerGroup: a tiny lifecycle API in the spirit of concurrent.futures."""
+"""CompiledWorkerThread: a worker thread with a tiny lifecycle API in the spirit of concurrent.futures (its group: _group.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
-from typing import Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ._errors import ThreadgraphError, WorkerError
+from ._errors import GroupStopped, ThreadgraphError, WorkerError
 from ._fence import explain_capture_conflict
-from ._gate import gate_for, released
+from ._gate import gate_for
 from ._patches import install
 from ._stats import StepStats, StepTimer
 from ._tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
+
+if TYPE_CHECKING:
+    from ._group import WorkerGroup
 
 log = logging.getLogger("threadgraph")
 
@@ -258,191 +260,3 @@ def _add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:  # Python 3.10
         log.error("threadgraph: %s", note)
-
-
-class GroupStopped(ThreadgraphError):
-    """Raised in a worker blocked on its group's ``queue()`` when the group stops or fails; the
-    worker then ends quietly (it is stopping), and ``join()`` raises the first failure, if any."""
-
-
-class GroupQueue(queue.Queue):
-    """A ``queue.Queue`` owned by a WorkerGroup (``group.queue()``): ``get()`` and ``put()`` wait
-    with the device gate's slots given up (``released()``) and raise GroupStopped in every blocked
-    worker once the group stops or fails, so no ``on_failure`` callback is needed to wake them."""
-
-    def __init__(self, maxsize: int = 0) -> None:
-        super().__init__(maxsize)
-        self._stopped = False
-
-    def close(self) -> None:
-        with self.mutex:
-            self._stopped = True
-            self.not_empty.notify_all()
-            self.not_full.notify_all()
-
-    def _wait(self, condition: threading.Condition, ready: Callable[[], bool], block: bool,
-              timeout: Optional[float], empty: type) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not ready():
-            if self._stopped:
-                raise GroupStopped("threadgraph: the worker group stopped while this worker waited on its queue")
-            if not block:
-                raise empty
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise empty
-            condition.wait(left)
-        if self._stopped:
-            raise GroupStopped("threadgraph: the worker group stopped while this worker waited on its queue")
-
-    def get(self, block: bool = True, timeout: Optional[float] = None):
-        with released(), self.not_empty:
-            self._wait(self.not_empty, lambda: self._qsize() > 0, block, timeout, queue.Empty)
-            item = self._get()
-            self.not_full.notify()
-            return item
-
-    def put(self, item, block: bool = True, timeout: Optional[float] = None) -> None:
-        with released(), self.not_full:
-            if self.maxsize > 0:
-                self._wait(self.not_full, lambda: self._qsize() < self.maxsize, block, timeout, queue.Full)
-            elif self._stopped:
-                raise GroupStopped("threadgraph: the worker group stopped")
-            self._put(item)
-            self.unfinished_tasks += 1
-            self.not_empty.notify()
-
-
-class WorkerGroup:
-    """Start, stop and join many workers, fail-fast.
-
-    The first failure stops every other worker, closes the group's queues (``queue()``: workers
-    blocked on them wake and end), runs the failure callbacks (wake waits of your own there) and
-    is re-raised from ``join()``. As a context manager it starts the workers on entry and stops
-    and joins them on exit; Ctrl-C stops everything, setups still waiting their turn included.
-
-    No worker of a started group steps before every worker's ``setup()`` has returned, and with
-    ``serial_setup`` (the default) setups run one at a time. Setups load models, and loading
-    changes process-global state that other threads read: transformers' ``from_pretrained(dtype=)``
-    sets torch's default dtype while it builds, so a step elsewhere creates bfloat16 tensors and
-    a compile fails its own guards ("GLOBAL_STATE changed: default_dtype", hazard global-default-dtype). Pass
-    ``serial_setup=False`` when setups must run together (for example, when they wait on each
-    other); steps still wait for all setups.
-    """
-
-    def __init__(self, workers: Iterable[CompiledWorkerThread] = (), *, serial_setup: bool = True) -> None:
-        self.workers: list[CompiledWorkerThread] = []
-        self.serial_setup = serial_setup
-        self._setup_lock = threading.Lock()
-        self._setups_done = threading.Condition()
-        self._setups_left = 0
-        self._lock = threading.Lock()
-        self._first_failure: Optional[CompiledWorkerThread] = None
-        self._on_failure: list[Callable[[BaseException], None]] = []
-        self._queues: list[GroupQueue] = []
-        for worker in workers:
-            self.add(worker)
-
-    def queue(self, maxsize: int = 0) -> GroupQueue:
-        """A queue between this group's workers that wakes every worker blocked on it when the
-        group stops or fails (GroupQueue)."""
-        q = GroupQueue(maxsize)
-        self._queues.append(q)
-        return q
-
-    def add(self, worker: CompiledWorkerThread) -> CompiledWorkerThread:
-        if worker.is_alive() or worker.ident is not None:
-            raise ValueError(f"threadgraph: worker {worker.name} was already started; add workers before start()")
-        worker._group = self
-        self.workers.append(worker)
-        return worker
-
-    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
-        """Call ``callback(exc)`` once, when the first worker fails."""
-        self._on_failure.append(callback)
-
-    @property
-    def broken(self) -> bool:
-        return self._first_failure is not None
-
-    def start(self) -> "WorkerGroup":
-        with self._setups_done:
-            self._setups_left = len(self.workers)
-        for worker in self.workers:
-            worker.start()
-        return self
-
-    def stop(self) -> None:
-        """Ask every worker to finish after its current step, and wake those blocked on the
-        group's queues."""
-        for worker in self.workers:
-            worker.stop()
-        for q in self._queues:
-            q.close()
-
-    def _wait_for_setups(self, worker: CompiledWorkerThread) -> None:
-        """Count ``worker``'s setup as done; return when all are, or when ``worker`` is stopped."""
-        with self._setups_done:
-            self._setups_left -= 1
-            self._setups_done.notify_all()
-            while self._setups_left > 0 and not worker.stopping:
-                self._setups_done.wait()
-
-    def _wake(self) -> None:
-        with self._setups_done:
-            self._setups_done.notify_all()
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for worker in self.workers:
-                while worker.is_alive():
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"threadgraph: worker {worker.name} still running after {timeout} s")
-                    threading.Thread.join(worker, 0.2 if left is None else min(0.2, left))
-                wait_for_thread_exit(worker)
-        except KeyboardInterrupt:
-            log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
-            self._fail_all(KeyboardInterrupt())
-            for worker in self.workers:
-                threading.Thread.join(worker)
-                wait_for_thread_exit(worker)
-            raise
-        failed = self._first_failure
-        if failed is not None:
-            others = [w for w in self.workers if w is not failed and w.exception is not None]
-            error = failed._as_worker_error()
-            for other in others:
-                _add_note(error, f"also failed: {other.name}: {other.exception!r}")
-            raise error from failed.exception
-
-    def __enter__(self) -> "WorkerGroup":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None:
-            self._fail_all(exc)
-            for worker in self.workers:
-                if worker.ident is not None:
-                    threading.Thread.join(worker)
-            return None  # the body's exception propagates
-        self.join()
-
-    def _worker_failed(self, worker: CompiledWorkerThread, error: BaseException) -> None:
-        with self._lock:
-            if self._first_failure is not None:
-                return
-            self._first_failure = worker
-        self._fail_all(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        self.stop()
-        for callback in self._on_failure:
-            try:
-                callback(error)
-            except BaseException as exc:  # a broken callback must not keep peers blocked
-                log.error("threadgraph: failure callback %r raised %r", callback, exc)
-                _add_note(error, f"failure callback {callback!r} raised {exc!r}")
-
