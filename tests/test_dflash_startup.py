@@ -7,7 +7,7 @@ import torch
 from examples.dflash_trainer import policy, step
 from examples.dflash_trainer.startup import StartupMonitor, describe, snapshot
 from examples.dflash_trainer.train import train
-from tests.test_dflash_train import tiny_assets, tiny_config  # noqa: F401  (tiny_assets is a fixture)
+from tests.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)
 
 import threadgraph
 from threadgraph import _first_call
@@ -36,7 +36,7 @@ def compiled_on_cpu(monkeypatch):
     _first_call.forget()
 
 
-def test_five_targets_and_three_drafters_compile_each_step_once(tiny_assets,  # noqa: F811 tmp_path, compiled_on_cpu, monkeypatch):
+def test_five_targets_and_three_drafters_compile_each_step_once(tiny_assets, tmp_path, compiled_on_cpu, monkeypatch):
     target_step = _inner_code(step.make_target_step, "target_step")
     drafter_loss = _inner_code(step.make_step_fn, "drafter_loss")
     once = _compiled_run(tiny_assets, tmp_path / "once")
