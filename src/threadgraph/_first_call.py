@@ -122,12 +122,16 @@ def _take_turn(key: Hashable, name: str, compiled: Callable, args: tuple, kwargs
     turn = _turns.setdefault(key, _Turn(name))
     if turn.holder_ident == threading.get_ident():  # a recursive first call
         return compiled(*args, **kwargs)
-    state = current_worker()
-    started = time.perf_counter()
-    with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
-        got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
-    if state is not None:
-        state.turn_wait_seconds += time.perf_counter() - started
+    # Uncontended, the turn is taken without giving the slots up: a capture elsewhere must not
+    # slip in between a worker's slot and its own call.
+    got = turn.lock.acquire(blocking=False)
+    if not got:
+        state = current_worker()
+        started = time.perf_counter()
+        with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
+            got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
+        if state is not None:
+            state.turn_wait_seconds += time.perf_counter() - started
     if not got:
         log.warning("threadgraph: waited %.0f s for %s to finish its first call of %s; compiling it here as well",
                     DEFAULT_TIMEOUT_S, turn.holder, name)
