@@ -50,6 +50,7 @@ def test_five_targets_and_three_drafters_compile_each_step_once(tiny_assets, tmp
     assert _compiles(target_step) > 1 and _compiles(drafter_loss) > 1
     assert once["losses"] == pytest.approx(apart["losses"], rel=1e-5)
     assert once["startup_s"] > 0 and once["build_s"] > 0
+    assert all(0 < w["setup_s"] <= w["first_step_at_s"] <= w["warmup_s"] for w in once["workers"].values()), once["workers"]
 
 
 class FakeWorker:

@@ -121,6 +121,8 @@ def test_the_compiling_worker_reports_compile_time_and_the_others_their_wait(pat
         [w.stats.summary() for w in workers]
     assert "compile" in compiled[0].stats.summary() and "waiting for a peer's compile" in waited[0].stats.summary()
     assert all(w.activity[0] == "finished" for w in workers)
+    assert all(0 < w.stats.setup_seconds <= w.stats.steps_began_at <= w.stats.warmup_seconds for w in workers), \
+        [w.stats.summary() for w in workers]
 
 
 def _slow_first_call(release: threading.Event, calls: list):

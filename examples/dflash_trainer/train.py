@@ -149,6 +149,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
         "startup_s": round(built_s + max(w.stats.warmup_seconds for w in group.workers), 2),
         "build_s": round(built_s, 2),
         "workers": {w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
+                             "setup_s": round(w.stats.setup_seconds, 2), "first_step_at_s": round(w.stats.steps_began_at, 2),
                              "warmup_s": round(w.stats.warmup_seconds, 2), "compile_s": round(w.stats.compile_seconds, 2),
                              "capture_s": round(w.stats.capture_seconds, 2),
                              "peer_compile_wait_s": round(w.stats.turn_wait_seconds, 2), "captures": w.stats.captures,

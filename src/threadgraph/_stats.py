@@ -20,6 +20,8 @@ class StepStats:
     warmup_seconds: float = 0.0
     warmups: int = 0  # eager warmup runs in the graph pool
     captures: int = 0  # graphs recorded (CUDAGraph Trees) or captured (capture_step, by hand)
+    setup_seconds: float = 0.0  # in setup() itself (its turn not included)
+    steps_began_at: float = 0.0  # seconds from the thread's start to its first step (setup turns, setups)
     compile_seconds: float = 0.0  # in Dynamo's frame compiles (AOTAutograd and Inductor included)
     capture_seconds: float = 0.0  # recording or capturing graphs
     turn_wait_seconds: float = 0.0  # waiting for another thread's first call of the same compiled code
@@ -40,7 +42,8 @@ class StepStats:
         return self.percentile(0.9)
 
     def summary(self) -> str:
-        startup = (f"{self.steps} steps, warmup {self.warmup_seconds:.2f} s (compile {self.compile_seconds:.2f} s, "
+        startup = (f"{self.steps} steps, setup {self.setup_seconds:.2f} s, first step at {self.steps_began_at:.2f} s, "
+                   f"warmup {self.warmup_seconds:.2f} s (compile {self.compile_seconds:.2f} s, "
                    f"capture {self.capture_seconds:.2f} s, waiting for a peer's compile {self.turn_wait_seconds:.2f} s), "
                    f"{self.captures} captures")
         if not self.step_ms:

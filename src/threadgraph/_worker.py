@@ -149,11 +149,14 @@ class CompiledWorkerThread(threading.Thread):
                 # while waiting its turn: the setup does not run
                 skipped = self.stopping
                 if not skipped:
+                    setup_began = time.perf_counter()
                     with doing(state, "setup"):
                         self.setup()
+                    self.stats.setup_seconds = time.perf_counter() - setup_began
             if self._group is not None:
                 with doing(state, "waiting for the other workers' setups"):
                     self._group._wait_for_setups(self)
+            self.stats.steps_began_at = time.perf_counter() - started
             if not skipped:
                 self._phase = "step"
                 state.activity, state.activity_since = "warmup steps", time.monotonic()
