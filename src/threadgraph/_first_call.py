@@ -49,7 +49,6 @@ log = logging.getLogger("threadgraph")
 
 @dataclasses.dataclass
 class _Turn:
-    name: str
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     holder: Optional[str] = None  # the thread making the first call
     holder_ident: Optional[int] = None
@@ -119,7 +118,7 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
 
 
 def _take_turn(key: Hashable, name: str, compiled: Callable, args: tuple, kwargs: dict) -> Any:
-    turn = _turns.setdefault(key, _Turn(name))
+    turn = _turns.setdefault(key, _Turn())
     if turn.holder_ident == threading.get_ident():  # a recursive first call
         return compiled(*args, **kwargs)
     # Uncontended, the turn is taken without giving the slots up: a capture elsewhere must not

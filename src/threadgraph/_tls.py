@@ -76,6 +76,10 @@ class WorkerState:
         self.activity = "starting"
         self.activity_since = time.monotonic()
 
+    def begin(self, what: str) -> None:
+        """Show ``what`` as this worker's activity from now on."""
+        self.activity, self.activity_since = what, time.monotonic()
+
     def current_generation(self) -> int:
         # Same rule as CUDAGraphTreeManager.get_curr_generation, on this worker's counters.
         return self.mark_step_counter if self.mark_step_counter != 0 else self.generation
@@ -91,7 +95,7 @@ def doing(state: Optional[WorkerState], what: str) -> Iterator[None]:
         yield
         return
     outer = state.activity, state.activity_since
-    state.activity, state.activity_since = what, time.monotonic()
+    state.begin(what)
     try:
         yield
     finally:

@@ -159,7 +159,7 @@ class CompiledWorkerThread(threading.Thread):
             self.stats.steps_began_at = time.perf_counter() - started
             if not skipped:
                 self._phase = "step"
-                state.activity, state.activity_since = "warmup steps", time.monotonic()
+                state.begin("warmup steps")
                 self._loop(timer, started)
         except GroupStopped:
             if not self.stopping:
@@ -182,7 +182,7 @@ class CompiledWorkerThread(threading.Thread):
                 _add_note(error, f"teardown of {self.name} also failed: {exc!r}")
         finally:
             self._copy_startup_stats()
-            self.worker_state.activity = "failed" if error is not None else "finished"
+            self.worker_state.begin("failed" if error is not None else "finished")
             release_cudagraph_tls()
         if error is None:
             log.debug("threadgraph: worker %s on %s finished: %s", self.name, self.device, self.stats.summary())
@@ -229,7 +229,7 @@ class CompiledWorkerThread(threading.Thread):
         self.stats.warmup_steps = self.stats.steps
         self.stats.warmup_seconds = time.perf_counter() - started
         self._copy_startup_stats()
-        self.worker_state.activity, self.worker_state.activity_since = "stepping", time.monotonic()
+        self.worker_state.begin("stepping")
         timer.discard()
 
     def _copy_startup_stats(self) -> None:
