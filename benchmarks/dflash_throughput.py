@@ -107,7 +107,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         stage = parts.target_stage(device)
-        replicas.append((stage, parts.replica(device, schedule, target=stage.target)))  # one target per device
+        replicas.append((stage, parts.replica(device, schedule)))  # both on the device's one target
     batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
     on_gpu = devices[0].type == "cuda"
 

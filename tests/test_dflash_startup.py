@@ -6,6 +6,7 @@ import torch
 
 from examples.dflash_trainer import policy, step
 from examples.dflash_trainer.startup import StartupMonitor, describe, snapshot
+from examples.dflash_trainer.target import TargetSource
 from examples.dflash_trainer.train import train
 from tests.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)
 
@@ -50,7 +51,7 @@ def test_five_targets_and_three_drafters_compile_each_step_once(tiny_assets, tmp
     assert _compiles(target_step) > 1 and _compiles(drafter_loss) > 1
     assert once["losses"] == pytest.approx(apart["losses"], rel=1e-5)
     assert once["startup_s"] > 0 and once["build_s"] > 0
-    assert all(0 < w["setup_s"] <= w["first_step_at_s"] <= w["warmup_s"] for w in once["workers"].values()), once["workers"]
+    assert all(0 <= w["setup_s"] <= w["first_step_at_s"] <= w["warmup_s"] for w in once["workers"].values()), once["workers"]
 
 
 class FakeWorker:
@@ -84,3 +85,15 @@ def test_the_monitor_reports_until_every_worker_is_ready():
     monitor._thread.join(5)
     assert not monitor._thread.is_alive() and seen == [0, 0]
     monitor.stop()
+
+
+def test_the_workers_on_a_device_load_the_target_once_and_leave_it_unchanged(tiny_assets, tmp_path, monkeypatch):
+    """5 target stages, 3 drafter replicas and the evaluator on one device: one load of the target
+    (pipeline.SharedTargets), whose weights training leaves exactly as loaded."""
+    loaded, real_load = [], TargetSource.load
+    monkeypatch.setattr(TargetSource, "load", lambda self, device: loaded.append(real_load(self, device)) or loaded[-1])
+    train(tiny_config(tiny_assets, tmp_path, max_steps=4, eval_every=4, eval_prompts=1, eval_max_new_tokens=4))
+    assert [str(t.device) for t in loaded] == ["cpu"]
+    fresh = real_load(TargetSource(str(tiny_assets.target_dir), 1, torch.float32), "cpu").model.state_dict()
+    after = loaded[0].model.state_dict()
+    assert after.keys() == fresh.keys() and all(torch.equal(after[k], fresh[k]) for k in fresh)

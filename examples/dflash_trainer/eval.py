@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .data import TokenData
-from .target import TargetModel, TargetSource
+from .target import TargetModel
 
 # propose(tokens [T], context_features [T-1, n*H], block_size) -> draft tokens [block_size-1]
 Proposer = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -117,13 +117,13 @@ def held_out_prompts(eval_jsonl: Optional[str], data: TokenData, count: int) -> 
 
 
 class Evaluator:
-    """Acceptance length tau of a training drafter on held-out prompts, verified by its own copy
-    of the frozen target on the drafter's device (the target stages' copies are busy)."""
+    """Acceptance length tau of a training drafter on held-out prompts, verified by the frozen
+    target on the drafter's device (eager and read-only, so it may be the target stages' own)."""
 
-    def __init__(self, source: TargetSource, prompts: list[torch.Tensor], device: torch.device, *, block_size: int,
+    def __init__(self, target: TargetModel, prompts: list[torch.Tensor], *, block_size: int,
                  max_new_tokens: int, autocast_dtype: Optional[torch.dtype]) -> None:
-        self.target = source.load(device)
-        self.device, self.prompts, self.autocast_dtype = device, prompts, autocast_dtype
+        self.target = target
+        self.device, self.prompts, self.autocast_dtype = target.device, prompts, autocast_dtype
         self._args = (block_size, max_new_tokens, self.target.mask_token_id)
         tokenizer = self.target.tokenizer
         self._stops = [t for t in (tokenizer.eos_token_id,) if t is not None] if tokenizer is not None else []

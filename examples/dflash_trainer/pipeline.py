@@ -28,7 +28,7 @@ from .policy import ExecutionPolicy
 from .replica import DrafterReplica
 from .schedule import Schedule
 from .step import METRIC_NAMES
-from .target import TargetModel, TargetSource
+from .target import SharedTargets, TargetSource
 from .target_stage import TargetStage
 
 log = logging.getLogger("dflash")
@@ -63,6 +63,7 @@ class Pipeline:
     rank: int
     world: int
     source: TargetSource
+    targets: SharedTargets
     data: TokenData
     schedule: Schedule
     checkpointer: Checkpointer
@@ -88,7 +89,8 @@ class Pipeline:
         schedule = Schedule.for_run(config, len(data), world)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
-        return cls(config=config, devices=devices, policy=policy, rank=rank, world=world, source=source, data=data,
+        return cls(config=config, devices=devices, policy=policy, rank=rank, world=world, source=source,
+                   targets=SharedTargets(source), data=data,
                    schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report)
 
     @property
@@ -104,20 +106,18 @@ class Pipeline:
                             end=self.schedule.total_steps * cfg.drafters)
 
     def target_stage(self, device: torch.device) -> TargetStage:
-        return TargetStage(self.source, self.policy, device, num_anchors=self.config.num_anchors)
+        return TargetStage(self.targets.get(device), self.policy, num_anchors=self.config.num_anchors)
 
-    def replica(self, device: torch.device, schedule: Optional[Schedule] = None,
-                target: Optional[TargetModel] = None) -> DrafterReplica:
-        """A drafter replica restored from the resume checkpoint, if any. ``schedule`` replaces the
-        run's (the sequential benchmark steps each replica more often); ``target``, a target on
-        ``device`` to borrow the frozen embedding and LM head from, saves loading another copy."""
-        return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.source, device, self.checkpointer,
-                              target)
+    def replica(self, device: torch.device, schedule: Optional[Schedule] = None) -> DrafterReplica:
+        """A drafter replica restored from the resume checkpoint, if any, on the device's shared
+        target. ``schedule`` replaces the run's (the sequential benchmark steps each replica more often)."""
+        return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.targets.get(device),
+                              self.checkpointer)
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config
         prompts = held_out_prompts(self.eval_jsonl, self.data, cfg.eval_prompts)
-        return Evaluator(self.source, prompts, device, block_size=cfg.block_size, max_new_tokens=cfg.eval_max_new_tokens,
+        return Evaluator(self.targets.get(device), prompts, block_size=cfg.block_size, max_new_tokens=cfg.eval_max_new_tokens,
                          autocast_dtype=self.policy.autocast_dtype)
 
     def training_log(self, metrics: Optional[MetricsLogger], progress: Optional[Callable[[dict], None]]) -> TrainingLog:

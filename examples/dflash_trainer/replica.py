@@ -21,16 +21,14 @@ from .model import DFlashDrafter
 from .policy import ExecutionPolicy
 from .schedule import Schedule
 from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
-from .target import TargetModel, TargetSource
+from .target import TargetModel
 
 
 class DrafterReplica:
-    def __init__(self, config: TrainConfig, policy: ExecutionPolicy, schedule: Schedule, source: TargetSource,
-                 device: torch.device, checkpointer: Optional[Checkpointer] = None,
-                 target: Optional[TargetModel] = None) -> None:
-        # The drafter borrows the frozen embedding and LM head of ``target`` (a target already on
-        # this device), else of a copy of its own.
-        target = target if target is not None else source.load(device)
+    def __init__(self, config: TrainConfig, policy: ExecutionPolicy, schedule: Schedule, target: TargetModel,
+                 checkpointer: Optional[Checkpointer] = None) -> None:
+        # The drafter borrows the frozen embedding and LM head of ``target``, on its device.
+        device = target.device
         # Identical initial weights in every replica and process, whatever other threads do.
         drafter = DFlashDrafter.from_target_config(
             target.config, target.embed_tokens, target.lm_head, config.num_draft_layers, config.num_feature_layers,

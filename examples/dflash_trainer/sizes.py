@@ -2,7 +2,8 @@
 free, so a batch that cannot fit is refused in a second instead of being OOM-killed minutes in.
 
 The estimate is deliberately rough (within a factor of about two of the peak on the CPU runs it
-was calibrated on): the weights of every target and drafter copy, each target's forward pass
+was calibrated on): one copy of the target's weights per device (pipeline.SharedTargets), each
+drafter's trainable layers with their gradient and AdamW state, each target's forward pass
 activations, the hand-off items in flight, and per drafter step its logits over the vocabulary
 (the largest tensors: block tokens x vocab, several live at once through the loss and its
 backward). Above the free memory the run is refused; above half of it, a warning.
@@ -26,14 +27,16 @@ GiB = 1 << 30
 # the autocast/fp32 copies), calibrated on CPU runs of the embedded target (SAFETY.md).
 LOGITS_COPIES = 6
 ACTIVATION_COPIES = 4  # per target layer and token, of the hidden and MLP widths, in a forward
+TRAINED_BYTES = 16  # per trainable drafter parameter: fp32 weight, gradient and two AdamW moments
 
 
 class TooLarge(BadInput):
     """The run's memory estimate exceeds the free memory of a device."""
 
 
-def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtype_bytes: int) -> dict[str, int]:
-    """Bytes the run needs on one device if every worker shares it, by part."""
+def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtype_bytes: int,
+                   devices: int = 1) -> dict[str, int]:
+    """Bytes the run needs over ``devices`` devices that share its workers, by part."""
     hidden, vocab = model_config.hidden_size, model_config.vocab_size
     layers = model_config.num_hidden_layers
     inter = getattr(model_config, "intermediate_size", 4 * hidden)
@@ -41,8 +44,12 @@ def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtyp
     b, s = config.batch_size, config.seq_len
     block_tokens = b * config.num_anchors * config.block_size
     item = b * s * hidden * config.num_feature_layers * dtype_bytes
+    embeddings = vocab * hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
+    drafter_params = (max(0, num_params - embeddings) // max(1, layers) * config.num_draft_layers
+                      + config.num_feature_layers * hidden * hidden)
     return {
-        "weights": num_params * dtype_bytes * (config.targets + config.drafters),
+        "weights": num_params * dtype_bytes * min(devices, config.targets + config.drafters),
+        "drafter_training": config.drafters * drafter_params * TRAINED_BYTES,
         "target_forward": config.targets * b * s * (ACTIVATION_COPIES * (hidden + inter) * dtype_bytes
                                                     + (layers + 1) * hidden * dtype_bytes
                                                     + heads * s * dtype_bytes + vocab * 4),
@@ -75,8 +82,8 @@ def free_bytes(device: str) -> Optional[int]:
 
 def check(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype, devices: list[str]) -> dict:
     """Refuse (TooLarge) or warn before the run starts; returns the estimate by part."""
-    parts = estimate_bytes(config, model_config, num_params, torch.empty((), dtype=dtype).element_size())
-    share = max(1, len(devices))  # workers spread over the devices
+    share = max(1, len(set(devices)))  # workers spread over the devices
+    parts = estimate_bytes(config, model_config, num_params, torch.empty((), dtype=dtype).element_size(), share)
     need = sum(parts.values()) / share
     for device in dict.fromkeys(devices):
         free = free_bytes(device)

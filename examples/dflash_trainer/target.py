@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,30 @@ class TargetSource:
     def shape(self) -> TargetModel:
         """Config, tokenizer and mask token without the weights (TargetModel.shape_only)."""
         return TargetModel.shape_only(self.path, num_feature_layers=self.num_feature_layers)
+
+
+class SharedTargets:
+    """One frozen target per device, loaded on first use and then shared by every component on
+    that device: its target stages, its drafter replicas (embedding and LM head) and the
+    evaluator. Threads of one process can read one copy of frozen weights, so five target
+    workers and three drafters on one GPU hold one copy of the target, not eight, and the
+    process loads it once per device. Nothing writes to it: it is eval-mode, requires no grad,
+    and every caller runs it under no_grad."""
+
+    def __init__(self, source: TargetSource) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._loaded: dict[torch.device, TargetModel] = {}
+
+    def get(self, device: str | torch.device) -> TargetModel:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._lock:  # a second caller for the device waits for the first one's load
+            if device not in self._loaded:
+                logger.info("loading the target %s on %s (shared by the components there)", self.source.path, device)
+                self._loaded[device] = self.source.load(device)
+            return self._loaded[device]
 
 
 def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:

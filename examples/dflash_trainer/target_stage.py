@@ -1,4 +1,4 @@
-"""A target stage: the frozen target on one device, and its step for a batch (the features the
+"""A target stage: the frozen target on one device (shared with the other components there), and its step for a batch (the features the
 drafter reads, and the batch's anchors), compiled or captured as the execution policy says."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import torch
 
 from .policy import ExecutionPolicy
 from .step import make_target_step
-from .target import TargetSource
+from .target import TargetModel
 
 
 class TargetStage:
-    def __init__(self, source: TargetSource, policy: ExecutionPolicy, device: torch.device, *, num_anchors: int) -> None:
-        self.device = device
-        self.target = source.load(device)
+    def __init__(self, target: TargetModel, policy: ExecutionPolicy, *, num_anchors: int) -> None:
+        self.device = target.device
+        self.target = target
         self._step = policy.graph(policy.compile(make_target_step(self.target.features, num_anchors)))
 
     def to_device(self, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
