@@ -25,6 +25,7 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool) -> dict:
            "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
            "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
     out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
+    out["startup_ratio"] = _div(out["startup_s_threaded"], out["startup_s_sequential"])
     if out["gpu_ms_per_batch"]:
         out["gpu_bound_tokens_per_s"] = devices * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
         out["gpu_bound_reason"] = None
@@ -65,8 +66,10 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
                 f"{common.fmt(figures['ratio_sequential_to_gpu_bound'])}x" if limit is not None
                 else f"- GPU-bound limit: not available ({figures['gpu_bound_reason']})")
     workers = threaded.get("workers", {})
-    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "warmup s", "captures", "host ms per phase (p50)"]
-    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w["warmup_s"], w["captures"],
+    wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "setup s", "first step at s", "compile s", "peer compile wait s",
+             "capture s", "captures", "host ms per phase (p50)"]
+    wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w.get("setup_s"), w.get("first_step_at_s"),
+              w.get("compile_s"), w.get("peer_compile_wait_s"), w.get("capture_s"), w["captures"],
               format_phases(w.get("phases_p50_ms", {})) or "-"] for name, w in workers.items()]
     lines = [
         f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
@@ -84,9 +87,28 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         gpu_line,
         f"- host time per batch holding the GIL (sequential loop): {common.fmt(figures['host_gil_ms_per_batch'], 3)} ms; "
         f"GPUs one process could feed before the GIL saturates: {common.fmt(figures['projected_gpus_per_process'], 1)}",
+        "", *startup_lines(threaded, sequential, figures),
         "", "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
     ]
     return "\n".join(lines)
+
+
+def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
+    """Where each pipeline's startup went (every cell starts with an empty Inductor cache)."""
+    phases = sorted(set(threaded.get("compile_phases_s", {})) | set(sequential.get("compile_phases_s", {})),
+                    key=lambda k: -max(threaded.get("compile_phases_s", {}).get(k, 0),
+                                       sequential.get("compile_phases_s", {}).get(k, 0)))
+    rows = [[k, threaded.get("compile_phases_s", {}).get(k), sequential.get("compile_phases_s", {}).get(k)] for k in phases]
+    return [
+        f"## Startup: threaded / sequential {common.fmt(figures.get('startup_ratio'))}x (target <= 1.3)", "",
+        f"- threaded: {common.fmt(threaded.get('startup_s'), 1)} s to the end of the first {LOG_EVERY}-step window; "
+        f"pipeline build {common.fmt(threaded.get('build_s'), 1)} s, then the workers (table below)",
+        f"- sequential: {common.fmt(sequential.get('startup_s'), 1)} s to the end of its warmup batches; setup (build, "
+        f"target and drafter) {common.fmt(sequential.get('setup_s'), 1)} s, first round (compiles) "
+        f"{common.fmt(sequential.get('first_round_s'), 1)} s",
+        "- both cells start with an empty Inductor cache (a first run); Dynamo's compile phases, seconds over all threads:",
+        "", common.markdown_table(["phase", "threaded", "sequential"], rows) if rows else "(none recorded)",
+    ]
 
 
 def _random_shapes():

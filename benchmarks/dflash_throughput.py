@@ -24,7 +24,9 @@ limit of both pipelines), its host time per batch (what one thread holds the GIL
 their startup seconds; ``dflash_report`` turns these into the headline figures (benchmarks/README.md).
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
-error row and the other still runs.
+error row and the other still runs, and with its own empty Inductor cache
+(``TORCHINDUCTOR_CACHE_DIR``): both startups are a first run's, neither reuses the other's
+compiled kernels. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +52,20 @@ from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the traine
 from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
 
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
+# Dynamo's compile-time counters (torch._dynamo.utils.compile_times) worth reading for startup:
+# the whole frame compile, AOTAutograd, Inductor's lowering and code generation, loading the
+# generated module, waiting for the kernel compile workers, and the guards.
+COMPILE_PHASES = ("_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx_inner",
+                  "GraphLowering.codegen", "PyCodeCache.load_by_key_path", "async_compile.wait", "build_guards")
+
+
+def compile_phases() -> dict:
+    """Seconds spent in each of COMPILE_PHASES so far in this process, all threads together."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, (float(v) for v in values)))
+    return {name: round(seconds[name], 2) for name in COMPILE_PHASES if name in seconds}
 
 
 def run_threaded(cfg) -> dict:
@@ -80,6 +97,8 @@ def run_threaded(cfg) -> dict:
         "gil_switch_interval_ms": results.get("gil_switch_interval_ms"),
         "loss_last": results["last"].get("loss"),
         "workers": results.get("workers", {}),
+        "build_s": results.get("build_s"),
+        "compile_phases_s": compile_phases(),
     }
 
 
@@ -108,6 +127,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             torch.cuda.set_device(device)
         stage = parts.target_stage(device)
         replicas.append((stage, parts.replica(device, schedule)))  # both on the device's one target
+    setup_s = time.perf_counter() - t0
     batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
     on_gpu = devices[0].type == "cuda"
 
@@ -116,7 +136,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
-    busy, host_ms, startup_s = common.BusyProbe(), [], None
+    busy, host_ms, startup_s, first_round_s = common.BusyProbe(), [], None, None
 
     def one_batch(r, i, stage, replica, timed):
         b = r * len(replicas) + i
@@ -137,6 +157,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             step_timer.stop()
 
     for r in range(rounds):
+        if r == 1:
+            _sync_all(devices)
+            first_round_s = time.perf_counter() - t0 - setup_s
         if r == warm_rounds:
             _sync_all(devices)
             startup_s = time.perf_counter() - t0
@@ -170,6 +193,9 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
         "startup_s": startup_s,
+        "setup_s": setup_s,
+        "first_round_s": first_round_s,  # its compilation (and warmup runs) of the target and drafter steps
+        "compile_phases_s": compile_phases(),
         "host_ms_per_batch": common.p50(host_ms),
         "host_probe_batches": len(host_ms),
         "gpu_ms_per_batch_by_device": {str(d): us / 1000 / gpu_batches for d, us in busy.busy_us.items()}
@@ -236,8 +262,10 @@ def run_cell_subprocess(args, name: str, cfg) -> dict:
         out = Path(tmp, "cell.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
                "--cell-config", json.dumps(cfg.to_dict()), "--cell-out", str(out)]
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp, "inductor-cache"))}  # a first run's startup
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout,
+                                  env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {args.cell_timeout} s"}
         if out.exists():
