@@ -94,7 +94,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
 
 
 def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
-    """Where each pipeline's startup went (every cell starts with an empty Inductor cache)."""
+    """Where each pipeline's startup went, and with which Inductor cache each cell started."""
     phases = sorted(set(threaded.get("compile_phases_s", {})) | set(sequential.get("compile_phases_s", {})),
                     key=lambda k: -max(threaded.get("compile_phases_s", {}).get(k, 0),
                                        sequential.get("compile_phases_s", {}).get(k, 0)))
@@ -106,7 +106,8 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
         f"- sequential: {common.fmt(sequential.get('startup_s'), 1)} s to the end of its warmup batches; setup (build, "
         f"target and drafter) {common.fmt(sequential.get('setup_s'), 1)} s, first round (compiles) "
         f"{common.fmt(sequential.get('first_round_s'), 1)} s",
-        "- both cells start with an empty Inductor cache (a first run); Dynamo's compile phases, seconds over all threads:",
+        f"- Inductor cache at the start: threaded {threaded.get('inductor_cache', 'empty')}, sequential "
+        f"{sequential.get('inductor_cache', 'empty')}; Dynamo's compile phases, seconds over all threads:",
         "", common.markdown_table(["phase", "threaded", "sequential"], rows) if rows else "(none recorded)",
     ]
 

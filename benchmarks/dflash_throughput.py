@@ -24,9 +24,11 @@ limit of both pipelines), its host time per batch (what one thread holds the GIL
 their startup seconds; ``dflash_report`` turns these into the headline figures (benchmarks/README.md).
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
-error row and the other still runs, and with its own empty Inductor cache
-(``TORCHINDUCTOR_CACHE_DIR``): both startups are a first run's, neither reuses the other's
-compiled kernels. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``).
+error row and the other still runs, and by default (``--inductor-cache per-cell``) with its own
+empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR``): both startups are a first run's, neither
+reuses the other's compiled kernels. ``--inductor-cache shared`` gives both cells one empty
+cache, so the sequential cell reuses the threaded cell's kernels: a shorter run whose sequential
+startup is a restart's, labelled so in the report. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``).
 """
 
 from __future__ import annotations
@@ -257,12 +259,12 @@ def graphs(args) -> str:
     return (args.cuda_graphs or "trees") if common.on_gpu() else "eager"
 
 
-def run_cell_subprocess(args, name: str, cfg) -> dict:
+def run_cell_subprocess(args, name: str, cfg, cache_dir: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
                "--cell-config", json.dumps(cfg.to_dict()), "--cell-out", str(out)]
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp, "inductor-cache"))}  # a first run's startup
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
         try:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout,
                                   env=env)
@@ -297,6 +299,9 @@ def parse_args(argv=None):
                    help="a random-init Qwen3 target of this published shape (tiny for tests) on the embedded tokenizer "
                         "and data, built once and cached: a target that gives the GPU real work")
     p.add_argument("--quick", action="store_true", help="CPU reduced form for CI: tiny assets and sizes, few steps")
+    p.add_argument("--inductor-cache", choices=("per-cell", "shared"), default="per-cell",
+                   help="per-cell: each cell starts with an empty Inductor cache (default); shared: one for both, "
+                        "so the sequential cell's startup reuses the threaded cell's kernels (shorter runs)")
     p.add_argument("--cell-timeout", type=int, default=600)
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("--cell", choices=("threaded", "sequential"), help=argparse.SUPPRESS)
@@ -346,9 +351,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = make_config(args, run_dir)
         results = {}
+        shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
         for name in ("threaded", "sequential"):
             print(f"[{name}]", file=sys.stderr, flush=True)
-            results[name] = run_cell_subprocess(args, name, cfg)
+            results[name] = run_cell_subprocess(args, name, cfg, shared)
+            results[name]["inductor_cache"] = ("empty" if name == "threaded" or not shared
+                                               else "the threaded cell's (a restart)")
     figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None)
     shape = target_label(args)
     text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures)
