@@ -5,7 +5,9 @@
 
 The section between ``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end -->`` gets one row per
 (target shape, graphs mode): the newest ``dflash-throughput-*.json`` of that pair (by the run's date,
-then file name). The embedded default target is labelled a launch-bound smoke case: it gives the GPU
+then file name). A startup figure is a first run's (each cell on an empty Inductor cache) unless the
+run shared one cache between its cells: then the sequential startup is marked a restart and the
+startup ratio is left out. The embedded default target is labelled a launch-bound smoke case: it gives the GPU
 about 0.3 ms of work per batch, so it measures overheads, not a pipeline. The section between
 ``<!-- dflash-tau:begin -->`` and ``<!-- dflash-tau:end -->`` gets the newest
 ``dflash-tau-reproducibility_*.json`` (benchmarks/tau_reproducibility.py): tau next to its baselines.
@@ -24,7 +26,7 @@ TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
 SHAPE_ORDER = ("default", "tiny-assets", "tiny", "0.6b", "1.7b", "4b", "8b")
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
-           "startup s sequential", "GIL host ms/batch", "GPUs one process feeds", "results")
+           "startup s sequential", "startup threaded / sequential", "GIL host ms/batch", "GPUs one process feeds", "results")
 
 
 def newest_runs(results: Path) -> list[tuple[dict, str]]:
@@ -61,6 +63,23 @@ def _target(data: dict) -> str:
     return f"Qwen3-{shape.upper()} shape, random init" + (f" ({params / 1e9:.2f}B params)" if params else "")
 
 
+def _restarted(data: dict) -> bool:
+    """Whether the sequential cell started on the threaded cell's Inductor cache (--inductor-cache shared)."""
+    return data.get("sequential", {}).get("inductor_cache", "empty") != "empty"
+
+
+def _startup_sequential(data: dict) -> str:
+    value = _num(data.get("startup_s_sequential"), 1)
+    return f"{value} (restart: the threaded cell's cache)" if _restarted(data) else value
+
+
+def _startup_ratio(data: dict) -> str:
+    if _restarted(data):
+        return "- (not comparable)"
+    threaded, sequential = data.get("startup_s_threaded"), data.get("startup_s_sequential")
+    return _num(threaded / sequential) if threaded and sequential else "-"
+
+
 def table(results: Path) -> str:
     runs = newest_runs(results)
     if not runs:
@@ -73,7 +92,7 @@ def table(results: Path) -> str:
                  _num(data.get("tokens_per_s_sequential")), _num(data.get("ratio")),
                  _num(data.get("gpu_bound_tokens_per_s")), _num(data.get("ratio_threaded_to_gpu_bound")),
                  _num(data.get("ratio_sequential_to_gpu_bound")), _num(data.get("startup_s_threaded"), 1),
-                 _num(data.get("startup_s_sequential"), 1), _num(data.get("host_gil_ms_per_batch")),
+                 _startup_sequential(data), _startup_ratio(data), _num(data.get("host_gil_ms_per_batch")),
                  _num(data.get("projected_gpus_per_process"), 1),
                  f"[{name}](benchmarks/results/{name}) ({device}, torch {data['env'].get('torch')})"]
         lines.append("| " + " | ".join(cells) + " |")

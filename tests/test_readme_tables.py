@@ -10,12 +10,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 readme_tables = importlib.import_module("readme_tables")
 
 
-def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200"):
+def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", sequential_cache=None):
     data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"},
             "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
             "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
             "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5,
             "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
+    if sequential_cache is not None:
+        data["sequential"] = {"inductor_cache": sequential_cache}
     name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch2.11.0_{date}.json"
     (results / name).write_text(json.dumps(data))
     return name
@@ -44,6 +46,7 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert len(rows) == 2
     assert "launch-bound smoke case" in rows[0] and toy in rows[0]  # the toy first, labelled
     assert newest in rows[1] and "240k" in rows[1] and "0.96" in rows[1] and "Qwen3-0.6B shape" in rows[1]
+    assert "| 41.0 | 20.5 | 2.00 |" in rows[1]  # startup threaded, sequential, and their ratio
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
     assert "No tau reproducibility results yet" in first
     assert readme_tables.main(argv + ["--check"]) == 0
@@ -68,3 +71,13 @@ def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
     _result(results, "8b", "whole-step", "2026-12-02", 300_000.0)
     assert readme_tables.main(argv + ["--check"]) == 1
     assert readme.read_text().count("No results yet") == 1  # --check never writes
+
+
+def test_a_sequential_startup_on_the_threaded_cells_cache_is_marked_and_given_no_ratio(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    _result(results, "8b", "whole-step", "2026-12-01", 28_000.0, sequential_cache="the threaded cell's (a restart)")
+    readme = _readme(tmp_path)
+    assert readme_tables.main(["--results", str(results), "--readme", str(readme)]) == 0
+    row = next(line for line in readme.read_text().splitlines() if "Qwen3-8B shape" in line)
+    assert "| 41.0 | 20.5 (restart: the threaded cell's cache) | - (not comparable) |" in row
