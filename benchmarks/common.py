@@ -10,7 +10,9 @@ import platform
 import re
 import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,6 +26,28 @@ def exit_on_sigterm() -> None:
     """Turn SIGTERM (a `timeout` around the script) into SystemExit, so subprocess.run kills the
     cell it is waiting for instead of leaving it running, holding the GPU and the output pipe."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def cell_env(tmp: str, cache_dir: str) -> dict:
+    """A benchmark cell's environment: ``cache_dir`` as its Inductor cache, else an empty one in ``tmp``."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
+
+
+def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
+    """Run a benchmark cell subprocess: ``cmd_before_out + [path]``, which writes its result as
+    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "cell.json")
+        try:
+            proc = subprocess.run([*cmd_before_out, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, timeout=timeout, env=cell_env(tmp, cache_dir))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout} s"}
+        if out.exists():
+            return json.loads(out.read_text())
+        sys.stderr.write(proc.stderr[-3000:])
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
 
 
 def finish_cell(out_path: str, result, default=None) -> None:
@@ -244,3 +268,19 @@ def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# Dynamo's compile-time counters (torch._dynamo.utils.compile_times) worth reading for startup:
+# the whole frame compile, AOTAutograd, Inductor's lowering and code generation, loading the
+# generated module, waiting for the kernel compile workers, and the guards.
+COMPILE_PHASES = ("_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx_inner",
+                  "GraphLowering.codegen", "PyCodeCache.load_by_key_path", "async_compile.wait", "build_guards")
+
+
+def compile_phases() -> dict:
+    """Seconds spent in each of COMPILE_PHASES so far in this process, all threads together."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, (float(v) for v in values)))
+    return {name: round(seconds[name], 2) for name in COMPILE_PHASES if name in seconds}

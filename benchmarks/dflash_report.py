@@ -3,11 +3,13 @@ markdown that presents them (both go into the results JSON / .md; ``readme_table
 
 from __future__ import annotations
 
+from typing import Optional
+
 import common
 from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 
-def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool) -> dict:
+def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Optional[dict] = None) -> dict:
     """The figures the README table shows, from both cells.
 
     GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
@@ -36,6 +38,11 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool) -> dict:
     out["ratio_threaded_to_gpu_bound"] = _div(out["tokens_per_s_threaded"], out["gpu_bound_tokens_per_s"])
     out["ratio_sequential_to_gpu_bound"] = _div(out["tokens_per_s_sequential"], out["gpu_bound_tokens_per_s"])
     out["projected_gpus_per_process"] = _div(out["gpu_ms_per_batch"], out["host_gil_ms_per_batch"])
+    if processes is not None:  # --processes: one process per device (dflash_processes.py)
+        out["tokens_per_s_processes"] = processes.get("tokens_per_s")
+        out["startup_s_processes"] = processes.get("startup_s")
+        out["ratio_threaded_to_processes"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_processes"])
+        out["ratio_processes_to_gpu_bound"] = _div(out["tokens_per_s_processes"], out["gpu_bound_tokens_per_s"])
     return out
 
 
@@ -43,7 +50,8 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
-def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures: dict) -> str:
+def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures: dict,
+           processes: Optional[dict] = None) -> str:
     drafter_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("drafter") and w["p50_ms"]]
     target_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("target") and w["p50_ms"]]
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)
@@ -60,6 +68,12 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
          f"error: {sequential['error']}" if "error" in sequential else
          f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the probes"],
     ]
+    if processes is not None:
+        rows.append([f"processes ({processes.get('processes', '?')} ranks, torchrun)", "1 per rank", processes.get("tokens_per_s"), None,
+                     processes.get("startup_s"), None, None, processes.get("mode"),
+                     f"error: {processes['error']}" if "error" in processes else
+                     f"{processes.get('timed_batches')} timed batches on {', '.join(processes.get('devices') or [])}; "
+                     f"ranks' weights max diff {common.fmt(processes.get('ranks_weights_max_diff'), 6)}"])
     limit = figures["gpu_bound_tokens_per_s"]
     gpu_line = (f"- GPU-bound limit: {common.fmt(limit, 0)} tokens/s ({common.fmt(figures['gpu_ms_per_batch'], 3)} ms of kernels "
                 f"per batch); threaded {common.fmt(figures['ratio_threaded_to_gpu_bound'])}x of it, sequential "
@@ -84,6 +98,8 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         *([] if env["gpu"] else ["- one intra-op thread per process (torch.set_num_threads(1))"]),
         "", common.markdown_table(columns, rows), "",
         f"**threaded / sequential tokens/s: {common.fmt(figures['ratio'])}x** (target >= 1.5)", "",
+        *([f"**threaded / processes tokens/s: {common.fmt(figures['ratio_threaded_to_processes'])}x** (target >= 0.95)", ""]
+          if processes is not None else []),
         gpu_line,
         f"- host time per batch holding the GIL (sequential loop): {common.fmt(figures['host_gil_ms_per_batch'], 3)} ms; "
         f"GPUs one process could feed before the GIL saturates: {common.fmt(figures['projected_gpus_per_process'], 1)}",

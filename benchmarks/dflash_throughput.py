@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+import dflash_processes  # noqa: E402
 import dflash_report  # noqa: E402
 
 import torch  # noqa: E402
@@ -54,22 +53,6 @@ from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the traine
 from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
 
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
-# Dynamo's compile-time counters (torch._dynamo.utils.compile_times) worth reading for startup:
-# the whole frame compile, AOTAutograd, Inductor's lowering and code generation, loading the
-# generated module, waiting for the kernel compile workers, and the guards.
-COMPILE_PHASES = ("_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx_inner",
-                  "GraphLowering.codegen", "PyCodeCache.load_by_key_path", "async_compile.wait", "build_guards")
-
-
-def compile_phases() -> dict:
-    """Seconds spent in each of COMPILE_PHASES so far in this process, all threads together."""
-    from torch._dynamo.utils import compile_times
-
-    names, values = compile_times(repr="csv", aggregate=True)
-    seconds = dict(zip(names, (float(v) for v in values)))
-    return {name: round(seconds[name], 2) for name in COMPILE_PHASES if name in seconds}
-
-
 def run_threaded(cfg) -> dict:
     """The trainer itself. startup_s: from the call of ``train`` (pipeline build, model loads, worker
     setups, compilation, capture) to the end of the first tokens/s window, the first LOG_EVERY
@@ -100,7 +83,7 @@ def run_threaded(cfg) -> dict:
         "loss_last": results["last"].get("loss"),
         "workers": results.get("workers", {}),
         "build_s": results.get("build_s"),
-        "compile_phases_s": compile_phases(),
+        "compile_phases_s": common.compile_phases(),
     }
 
 
@@ -197,7 +180,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "startup_s": startup_s,
         "setup_s": setup_s,
         "first_round_s": first_round_s,  # its compilation (and warmup runs) of the target and drafter steps
-        "compile_phases_s": compile_phases(),
+        "compile_phases_s": common.compile_phases(),
         "host_ms_per_batch": common.p50(host_ms),
         "host_probe_batches": len(host_ms),
         "gpu_ms_per_batch_by_device": {str(d): us / 1000 / gpu_batches for d, us in busy.busy_us.items()}
@@ -260,21 +243,8 @@ def graphs(args) -> str:
 
 
 def run_cell_subprocess(args, name: str, cfg, cache_dir: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "cell.json")
-        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
-               "--cell-config", json.dumps(cfg.to_dict()), "--cell-out", str(out)]
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
-        try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout,
-                                  env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.cell_timeout} s"}
-        if out.exists():
-            return json.loads(out.read_text())
-        sys.stderr.write(proc.stderr[-3000:])
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
+    return common.run_cell([sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
+                            "--cell-config", json.dumps(cfg.to_dict()), "--cell-out"], cache_dir, args.cell_timeout)
 
 
 def parse_args(argv=None):
@@ -302,6 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--inductor-cache", choices=("per-cell", "shared"), default="per-cell",
                    help="per-cell: each cell starts with an empty Inductor cache (default); shared: one for both, "
                         "so the sequential cell's startup reuses the threaded cell's kernels (shorter runs)")
+    p.add_argument("--processes", type=int, default=0, metavar="N",
+                   help="also run the processes pipeline: N ranks under torchrun, one per device of --devices "
+                        "(on a CPU, N ranks on the cpu), gradients averaged over them (dflash_processes.py)")
     p.add_argument("--cell-timeout", type=int, default=600)
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("--cell", choices=("threaded", "sequential"), help=argparse.SUPPRESS)
@@ -318,6 +291,9 @@ def parse_args(argv=None):
         available_devices(TrainConfig(devices=args.devices).device_list)
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
+    devices = len(args.devices.split(","))
+    if args.processes < 0 or (args.devices != "cpu" and args.processes > devices):
+        p.error(f"--processes {args.processes}: give 1 to {devices}, one process per device of --devices {args.devices}")
     args.steps = args.steps or (30 if args.quick else 100)  # quick: a steady window between the first and the last
     args.assets = args.assets or ("tiny" if args.quick else "default")
     if args.quick:
@@ -352,14 +328,17 @@ def main(argv=None) -> int:
         cfg = make_config(args, run_dir)
         results = {}
         shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
-        for name in ("threaded", "sequential"):
+        for name in ("threaded", "sequential", *(("processes",) if args.processes else ())):
             print(f"[{name}]", file=sys.stderr, flush=True)
-            results[name] = run_cell_subprocess(args, name, cfg, shared)
+            results[name] = (dflash_processes.run_cell(cfg, args.processes, args.cell_timeout, shared)
+                             if name == "processes" else run_cell_subprocess(args, name, cfg, shared))
             results[name]["inductor_cache"] = ("empty" if name == "threaded" or not shared
                                                else "the threaded cell's (a restart)")
-    figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None)
+    figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
+                                     results.get("processes"))
     shape = target_label(args)
-    text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures)
+    text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures,
+                                results.get("processes"))
     print(text)
     out = common.results_dir(args.out_dir)
     stem = common.results_stem(env, theme(args))

@@ -44,7 +44,9 @@ def runs(tmp_path_factory):
     procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay")}
     if skip is None:
         # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
-        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny"), base / "dflash")
+        # With the processes pipeline: 2 gloo ranks under torchrun.
+        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
+                           base / "dflash")
     yield procs, skip
     for proc, _ in procs.values():
         if proc.poll() is None:
@@ -105,6 +107,13 @@ def test_dflash_throughput_quick(runs):
     assert data["gpu_bound_tokens_per_s"] is None and "no CUDA" in data["gpu_bound_reason"]
     assert data["projected_gpus_per_process"] is None and data["ratio_threaded_to_gpu_bound"] is None
     assert _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.md").exists()
+    ranks = data["processes"]
+    assert "error" not in ranks and ranks["processes"] == 2 and ranks["devices"] == ["cpu", "cpu"], ranks
+    assert ranks["timed_batches"] + ranks["warmup_batches"] == data["config"]["max_steps"] * data["config"]["drafters"]
+    # the ranks train on different batches, so only the gradient average over them keeps their weights equal
+    assert ranks["ranks_weights_max_diff"] == 0.0 and ranks["tokens_per_s"] > 0
+    assert data["ratio_threaded_to_processes"] == data["tokens_per_s_threaded"] / ranks["tokens_per_s"]
+    assert "threaded / processes tokens/s" in stdout
 
 
 def test_gil_profile_quick(runs, tmp_path):
