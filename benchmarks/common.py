@@ -35,18 +35,27 @@ def cell_env(tmp: str, cache_dir: str) -> dict:
 
 def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
     """Run a benchmark cell subprocess: ``cmd_before_out + [path]``, which writes its result as
-    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line."""
+    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line.
+    On timeout the cell gets SIGTERM first (torchrun passes it on to its ranks, which run in
+    sessions of their own and would outlive a SIGKILL of torchrun), then SIGKILL."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
+        proc = subprocess.Popen([*cmd_before_out, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=cell_env(tmp, cache_dir))
         try:
-            proc = subprocess.run([*cmd_before_out, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, timeout=timeout, env=cell_env(tmp, cache_dir))
+            _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
             return {"error": f"timed out after {timeout} s"}
         if out.exists():
             return json.loads(out.read_text())
-        sys.stderr.write(proc.stderr[-3000:])
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        sys.stderr.write(stderr[-3000:])
+        lines = [line for line in stderr.splitlines() if line.strip()]
         return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
 
 

@@ -9,7 +9,8 @@ drafter replica's forward-backward, the gradient average over all ranks
 (``routing.GradientAverager``: NCCL on GPUs, gloo on a CPU) and the update. The run's batches,
 ``max_steps x drafters`` of the threaded run, are split over the ranks (global batch b is rank
 b % N's, ``ShardBatches``); the same number of warmup batches as the other pipelines is left out
-of tokens/s. Rank 0 writes the cell's result: tokens/s over all ranks, startup seconds (from
+of tokens/s. The ranks share the cell's Inductor cache, as torchrun ranks on one node do.
+Rank 0 writes the cell's result: tokens/s over all ranks, startup seconds (from
 ``Pipeline.build`` to the end of the warmup rounds, every rank synchronised), and whether every
 rank ended with the same drafter weights (the average reached them all).
 """
@@ -43,6 +44,8 @@ def run_rank(cfg, warmup_batches: int) -> dict:
     from examples.dflash_trainer.pipeline import Pipeline
     from examples.dflash_trainer.routing import GradientAverager
 
+    if cfg.device_list == ["cpu"]:  # gloo for CPU tensors, even where CUDA would make it NCCL
+        dist.init_process_group("gloo")
     distributed.init_from_env()
     world, rank = dist.get_world_size(), dist.get_rank()
     t0 = time.perf_counter()
@@ -123,7 +126,11 @@ def main(argv=None) -> int:
     result = run_rank(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
     if int(os.environ.get("RANK", "0")) == 0:
         common.finish_cell(args.cell_out, result, default=str)
-    return 0
+    # The other ranks end the same way, without interpreter teardown (finish_cell says why); the
+    # process group is already down (distributed.shutdown waited for every rank).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

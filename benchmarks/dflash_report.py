@@ -27,7 +27,9 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
            "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
            "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
     out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
-    out["startup_ratio"] = _div(out["startup_s_threaded"], out["startup_s_sequential"])
+    # Comparable only when the sequential cell started on an empty Inductor cache, as the threaded one did.
+    out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
+                            if sequential.get("inductor_cache", "empty") == "empty" else None)
     if out["gpu_ms_per_batch"]:
         out["gpu_bound_tokens_per_s"] = devices * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
         out["gpu_bound_reason"] = None

@@ -292,8 +292,9 @@ def parse_args(argv=None):
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
     devices = len(args.devices.split(","))
-    if args.processes < 0 or (args.devices != "cpu" and args.processes > devices):
-        p.error(f"--processes {args.processes}: give 1 to {devices}, one process per device of --devices {args.devices}")
+    if args.processes and (args.processes < 2 or (args.devices != "cpu" and args.processes != devices)):
+        p.error(f"--processes {args.processes}: give one process per device of --devices {args.devices}, at least 2"
+                + (f" (here {devices})" if args.devices != "cpu" else " (on a CPU all ranks share the cpu)"))
     args.steps = args.steps or (30 if args.quick else 100)  # quick: a steady window between the first and the last
     args.assets = args.assets or ("tiny" if args.quick else "default")
     if args.quick:

@@ -260,3 +260,9 @@ def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, cap
         module.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_dflash_throughput_refuses_a_processes_pipeline_of_one_rank():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dflash_throughput.py"), "--quick", "--processes", "1"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--processes 1: give one process per device of --devices cpu, at least 2 (on a CPU" in proc.stderr, proc.stderr

@@ -94,6 +94,7 @@ def test_the_workers_on_a_device_load_the_target_once_and_leave_it_unchanged(tin
     monkeypatch.setattr(TargetSource, "load", lambda self, device: loaded.append(real_load(self, device)) or loaded[-1])
     train(tiny_config(tiny_assets, tmp_path, max_steps=4, eval_every=4, eval_prompts=1, eval_max_new_tokens=4))
     assert [str(t.device) for t in loaded] == ["cpu"]
-    fresh = real_load(TargetSource(str(tiny_assets.target_dir), 1, torch.float32), "cpu").model.state_dict()
-    after = loaded[0].model.state_dict()
-    assert after.keys() == fresh.keys() and all(torch.equal(after[k], fresh[k]) for k in fresh)
+    fresh = real_load(TargetSource(str(tiny_assets.target_dir), 1, torch.float32), "cpu").model
+    for tensors in (lambda m: dict(m.named_parameters()), lambda m: dict(m.named_buffers())):  # buffers: rotary too
+        after, before = tensors(loaded[0].model), tensors(fresh)
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -147,8 +147,13 @@ class SharedTargets:
     that device: its target stages, its drafter replicas (embedding and LM head) and the
     evaluator. Threads of one process can read one copy of frozen weights, so five target
     workers and three drafters on one GPU hold one copy of the target, not eight, and the
-    process loads it once per device. Nothing writes to it: it is eval-mode, requires no grad,
-    and every caller runs it under no_grad."""
+    process loads it once per device. Nothing updates its weights: they require no grad, the
+    target stages and the evaluator run it under no_grad, and the drafters only read its
+    embedding and LM head (their backward passes through them). transformers may set attributes
+    or install hooks on the model in its first forward (hidden-state capture); that forward is
+    one thread's: setups run one at a time, and first_call_in_turn orders first compiled calls.
+    One lock serves all devices: setups load one at a time anyway (WorkerGroup's serial setups,
+    hazard global-default-dtype)."""
 
     def __init__(self, source: TargetSource) -> None:
         self.source = source
