@@ -113,10 +113,9 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
 
 def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
     """Where each pipeline's startup went, and with which Inductor cache each cell started."""
-    phases = sorted(set(threaded.get("compile_phases_s", {})) | set(sequential.get("compile_phases_s", {})),
-                    key=lambda k: -max(threaded.get("compile_phases_s", {}).get(k, 0),
-                                       sequential.get("compile_phases_s", {}).get(k, 0)))
-    rows = [[k, threaded.get("compile_phases_s", {}).get(k), sequential.get("compile_phases_s", {}).get(k)] for k in phases]
+    ours, theirs = threaded.get("compile_phases_s", {}), sequential.get("compile_phases_s", {})
+    phases = sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), theirs.get(k, 0)))
+    rows = [[k, ours.get(k), theirs.get(k)] for k in phases]
     return [
         f"## Startup: threaded / sequential {common.fmt(figures.get('startup_ratio'))}x (target <= 1.3)", "",
         f"- threaded: {common.fmt(threaded.get('startup_s'), 1)} s to the end of the first {LOG_EVERY}-step window; "

@@ -172,7 +172,6 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     step_timer.finish()
     timed_batches = (rounds - gpu_end) * len(replicas)
     seconds = wall.t1 - wall.t0
-    gpu_batches = probe  # per device: one batch per round
     return {
         "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
         "timed_batches": timed_batches,
@@ -183,9 +182,10 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "compile_phases_s": common.compile_phases(),
         "host_ms_per_batch": common.p50(host_ms),
         "host_probe_batches": len(host_ms),
-        "gpu_ms_per_batch_by_device": {str(d): us / 1000 / gpu_batches for d, us in busy.busy_us.items()}
-        if on_gpu and gpu_batches else {},
-        "gpu_probe_batches_per_device": gpu_batches if on_gpu else 0,
+        # the GPU probe's rounds: one batch per device each
+        "gpu_ms_per_batch_by_device": {str(d): us / 1000 / probe for d, us in busy.busy_us.items()}
+        if on_gpu and probe else {},
+        "gpu_probe_batches_per_device": probe if on_gpu else 0,
         "devices": parts.devices,
         "mode": parts.policy.mode,
         "loss_last": float(replicas[0][1].history[-1, 0]),

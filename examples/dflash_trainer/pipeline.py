@@ -62,8 +62,7 @@ class Pipeline:
     policy: ExecutionPolicy
     rank: int
     world: int
-    source: TargetSource
-    targets: SharedTargets
+    targets: SharedTargets  # one frozen target per device, loaded from its TargetSource
     data: TokenData
     schedule: Schedule
     checkpointer: Checkpointer
@@ -89,7 +88,7 @@ class Pipeline:
         schedule = Schedule.for_run(config, len(data), world)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
-        return cls(config=config, devices=devices, policy=policy, rank=rank, world=world, source=source,
+        return cls(config=config, devices=devices, policy=policy, rank=rank, world=world,
                    targets=SharedTargets(source), data=data,
                    schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report)
 

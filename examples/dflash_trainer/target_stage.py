@@ -1,5 +1,6 @@
-"""A target stage: the frozen target on one device (shared with the other components there), and its step for a batch (the features the
-drafter reads, and the batch's anchors), compiled or captured as the execution policy says."""
+"""A target stage: the frozen target on one device (shared with the other components there), and
+its step for a batch (the features the drafter reads, and the batch's anchors), compiled or
+captured as the execution policy says."""
 
 from __future__ import annotations
 
