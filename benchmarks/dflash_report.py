@@ -1,11 +1,22 @@
-"""The report of ``dflash_throughput.py``: the headline figures computed from its two cells, and the
-markdown that presents them (both go into the results JSON / .md; ``readme_tables.py`` reads the JSON)."""
+"""The report of ``dflash_throughput.py``: the headline figures computed from its cells, and the
+markdown that presents them (both go into the results JSON / .md; ``readme_tables.py`` reads the JSON).
+
+    python benchmarks/dflash_report.py benchmarks/results/dflash-throughput-*.json
+
+recomputes the figures and the .md of results files from the cells' measurements they hold, with
+this version's definitions (for files written before a definition changed); the measurements, the
+cells' own dicts, are left as they are.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Optional
 
 import common
+from dflash_results import RESTART, startup_comparable
 from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 
@@ -27,9 +38,8 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
            "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
            "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
     out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
-    # Comparable only when the sequential cell started on an empty Inductor cache, as the threaded one did.
     out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
-                            if sequential.get("inductor_cache", "empty") == "empty" else None)
+                            if startup_comparable(sequential) else None)
     if out["gpu_ms_per_batch"]:
         out["gpu_bound_tokens_per_s"] = devices * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
         out["gpu_bound_reason"] = None
@@ -116,8 +126,10 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
     ours, theirs = threaded.get("compile_phases_s", {}), sequential.get("compile_phases_s", {})
     phases = sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), theirs.get(k, 0)))
     rows = [[k, ours.get(k), theirs.get(k)] for k in phases]
+    ratio = (f"{common.fmt(figures.get('startup_ratio'))}x (target <= 1.3)" if startup_comparable(sequential)
+             else f"not comparable (the sequential cell started {RESTART}: a restart's startup)")
     return [
-        f"## Startup: threaded / sequential {common.fmt(figures.get('startup_ratio'))}x (target <= 1.3)", "",
+        f"## Startup: threaded / sequential {ratio}", "",
         f"- threaded: {common.fmt(threaded.get('startup_s'), 1)} s to the end of the first {LOG_EVERY}-step window; "
         f"pipeline build {common.fmt(threaded.get('build_s'), 1)} s, then the workers (table below)",
         f"- sequential: {common.fmt(sequential.get('startup_s'), 1)} s to the end of its warmup batches; setup (build, "
@@ -133,3 +145,24 @@ def _random_shapes():
     from examples.dflash_trainer.shapes import SHAPES
 
     return SHAPES
+
+
+def rerender(path: Path) -> None:
+    """Rewrite the figures of one results JSON and its .md from its cells' measurements."""
+    from examples.dflash_trainer.config import TrainConfig
+
+    data = json.loads(path.read_text())
+    cfg = TrainConfig.from_dict(data["config"])
+    cells = data["threaded"], data["sequential"]
+    figures = headline(cfg, *cells, data["env"]["gpu"] is not None, data.get("processes"))
+    text = report(data["env"], cfg, data["shape"], *cells, figures, data.get("processes"))
+    common.write_json(path, {**data, **figures})
+    path.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for name in sys.argv[1:]:
+        rerender(Path(name))
+        print(f"rewrote {name} and its .md")

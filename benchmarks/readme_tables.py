@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_results import RESTART, startup_comparable
+
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ("<!-- dflash-table:begin -->", "<!-- dflash-table:end -->")
 TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
@@ -63,21 +65,13 @@ def _target(data: dict) -> str:
     return f"Qwen3-{shape.upper()} shape, random init" + (f" ({params / 1e9:.2f}B params)" if params else "")
 
 
-def _restarted(data: dict) -> bool:
-    """Whether the sequential cell did not start on an empty Inductor cache of its own: it says so
-    (``inductor_cache``, --inductor-cache shared), or its file predates per-cell caches (which came
-    with ``compile_phases_s``), when the sequential cell ran on the threaded cell's cache."""
-    sequential = data.get("sequential", {})
-    return sequential.get("inductor_cache", "empty" if "compile_phases_s" in sequential else None) != "empty"
-
-
 def _startup_sequential(data: dict) -> str:
     value = _num(data.get("startup_s_sequential"), 1)
-    return f"{value} (on the threaded cell's cache)" if _restarted(data) else value
+    return value if startup_comparable(data.get("sequential", {})) else f"{value} ({RESTART})"
 
 
 def _startup_ratio(data: dict) -> str:
-    if _restarted(data):
+    if not startup_comparable(data.get("sequential", {})):
         return "- (not comparable)"
     threaded, sequential = data.get("startup_s_threaded"), data.get("startup_s_sequential")
     return _num(threaded / sequential) if threaded and sequential else "-"

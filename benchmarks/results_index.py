@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from dflash_results import RESTART, startup_comparable
+
 RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = "README.md"
 NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
@@ -49,7 +51,8 @@ def dflash_throughput(data: dict) -> list:
     if data.get("gpu_bound_tokens_per_s"):
         figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
     if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
-        figure += f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
+        figure += (f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
+                   + ("" if startup_comparable(data["sequential"]) else f" ({RESTART})"))
     target = f"{data['shape']} target, " if "shape" in data else ""
     return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
 

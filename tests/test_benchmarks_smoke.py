@@ -116,6 +116,32 @@ def test_dflash_throughput_quick(runs):
     assert "threaded / processes tokens/s" in stdout
 
 
+def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_path):
+    """dflash_report.py FILE: a file this version wrote comes back byte for byte; one whose
+    sequential cell ran on the threaded cell's cache loses its startup ratio."""
+    procs, skip = runs
+    if skip:
+        pytest.skip(skip)
+    proc, out_dir = procs["dflash"]
+    _finish(proc)
+    written = _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json")
+    path = tmp_path / written.name
+    path.write_text(written.read_text())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    report = importlib.import_module("dflash_report")
+    report.rerender(path)
+    assert path.read_text() == written.read_text()
+    assert path.with_suffix(".md").read_text() == written.with_suffix(".md").read_text()
+    data = json.loads(path.read_text())
+    assert data["startup_ratio"] == data["startup_s_threaded"] / data["startup_s_sequential"]
+    data["sequential"]["inductor_cache"] = "the threaded cell's (a restart)"
+    path.write_text(json.dumps(data))
+    report.rerender(path)
+    assert json.loads(path.read_text())["startup_ratio"] is None
+    assert ("## Startup: threaded / sequential not comparable (the sequential cell started on the threaded "
+            "cell's cache" in path.with_suffix(".md").read_text())
+
+
 def test_gil_profile_quick(runs, tmp_path):
     procs, skip = runs
     if skip:

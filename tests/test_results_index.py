@@ -1,11 +1,15 @@
 """benchmarks/results_index.py: the committed index is current, rows come latest first, and a
 stale index or a file breaking the naming rule fails --check."""
 
+import importlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import results_index
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # as the script runs
+results_index = importlib.import_module("results_index")
 
 
 def overhead(path, ratio):
@@ -42,3 +46,14 @@ def test_a_theme_without_an_extractor_is_named():
     assert results_index.extractor("dflash-throughput-0.6b-trees") is results_index.dflash_throughput
     with pytest.raises(ValueError, match="no headline extractor for theme 'mystery'"):
         results_index.extractor("mystery")
+
+
+@pytest.mark.parametrize("cache, label", [("empty", ""), ("the threaded cell's (a restart)", " (on the threaded cell's cache)")])
+def test_a_dflash_sequential_startup_on_the_threaded_cells_cache_is_labelled(tmp_path, cache, label):
+    cell = {"tokens_per_s": 2.0e5, "mode": "whole-step", "devices": ["cuda:0"]}
+    data = {"shape": "8b", "args": {"cuda_graphs": "whole-step"}, "threaded": dict(cell), "ratio": 0.94,
+            "sequential": {**cell, "inductor_cache": cache}, "startup_s_threaded": 94.0, "startup_s_sequential": 29.0}
+    (tmp_path / "dflash-throughput-8b-whole-step_nvidia-h200_torch2.11.0_2026-12-01.json").write_text(json.dumps(data))
+    assert results_index.main(["--results", str(tmp_path)]) == 0
+    row = next(line for line in (tmp_path / "README.md").read_text().splitlines() if "dflash-throughput-8b" in line)
+    assert f"startup 94 s threaded, 29 s sequential{label} |" in row
