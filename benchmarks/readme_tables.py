@@ -1,4 +1,5 @@
-"""Rewrite README.md's DFlash results from the committed results files (``--check``: only compare).
+"""Rewrite README.md's generated results (DFlash, and the other benchmarks' headlines) from the
+committed results files (``--check``: only compare).
 
     python benchmarks/readme_tables.py            # rewrite the sections between the markers
     python benchmarks/readme_tables.py --check    # exit 1 if the README is stale
@@ -8,9 +9,12 @@ The section between ``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end 
 then file name). A startup figure is a first run's (each cell on an empty Inductor cache) unless the
 run shared one cache between its cells: then the sequential startup is marked a restart and the
 startup ratio is left out. The embedded default target is labelled a launch-bound smoke case: it gives the GPU
-about 0.3 ms of work per batch, so it measures overheads, not a pipeline. The section between
+well under a millisecond of work per batch, so it measures overheads, not a pipeline. The section between
 ``<!-- dflash-tau:begin -->`` and ``<!-- dflash-tau:end -->`` gets the newest
 ``dflash-tau-reproducibility_*.json`` (benchmarks/tau_reproducibility.py): tau next to its baselines.
+The section between ``<!-- results-headlines:begin -->`` and ``<!-- results-headlines:end -->`` gets
+the other benchmarks' headlines (fence, GPU scenarios, per-thread step time), each theme from its
+newest file, as ``results_index.py`` words them.
 """
 
 from __future__ import annotations
@@ -20,11 +24,19 @@ import json
 import sys
 from pathlib import Path
 
+import results_index
 from dflash_results import RESTART, startup_comparable
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ("<!-- dflash-table:begin -->", "<!-- dflash-table:end -->")
 TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
+HEADLINES = ("<!-- results-headlines:begin -->", "<!-- results-headlines:end -->")
+# The themes of the README's other results, in its order, each from its newest file; a scenarios
+# file holds several device calls, of which each scenario's last counts.
+HEADLINE_THEMES = {"fence-matrix": results_index.fence_matrix, "fence-overhead": results_index.fence_overhead,
+                   "gpu-scenarios": results_index.gpu_scenarios_latest, "replay-dflash": results_index.replay,
+                   "replay-dflash-gil": results_index.replay, "replay-small": results_index.replay,
+                   "replay-small-gil": results_index.replay}
 SHAPE_ORDER = ("default", "tiny-assets", "tiny", "0.6b", "1.7b", "4b", "8b")
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
@@ -56,12 +68,12 @@ def _num(value, digits: int = 2) -> str:
 
 
 def _target(data: dict) -> str:
-    shape = data["shape"]
+    shape, params = data["shape"], data.get("target_params")
     if shape == "default":
-        return "embedded default (1.7M-param toy): launch-bound smoke case"
+        return f"embedded default ({params / 1e6:.1f}M-param toy): launch-bound smoke case" if params else \
+            "embedded default (toy): launch-bound smoke case"
     if shape in ("tiny", "tiny-assets"):
         return f"{shape} (CI size): smoke case"
-    params = data.get("target_params")
     return f"Qwen3-{shape.upper()} shape, random init" + (f" ({params / 1e9:.2f}B params)" if params else "")
 
 
@@ -107,7 +119,7 @@ def tau_section(results: Path) -> str:
     where = f"{env.get('gpu') or 'CPU'}, {env.get('cpus')} CPUs, torch {env.get('torch')}, {env.get('date')}"
     same = ("bit-identical (the SHA-256 of every asset file; the build reports equal but for their timings)" if data["bit_identical"]
             else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
-    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}."]
+    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}.", _assets_line(builds[0]["report"]), ""]
     for i, run in enumerate(runs):
         lines.append(f"- run {i + 1}: tau {run['tau']:.3f} after {run['steps']} steps, against "
                      f"{run['tau_random_init']:.3f} for the random-init drafter and {run['tau_repeat_last_token']:.3f} "
@@ -116,6 +128,34 @@ def tau_section(results: Path) -> str:
         lines.append(f"- spread of tau over the {len(runs)} runs: {data['tau']['min']:.3f} - {data['tau']['max']:.3f}")
     lines.append(f"\n([{found[-1].name}](benchmarks/results/{found[-1].name}))")
     return "\n".join(lines)
+
+
+def headlines(results: Path) -> str:
+    """One row per headline of the newest file of each of HEADLINE_THEMES (results_index's figures)."""
+    newest = {}
+    for path in sorted(results.glob("*.json")):
+        name = results_index.NAME.match(path.name)
+        if name is not None and name["theme"] in HEADLINE_THEMES:
+            newest[name["theme"]] = max(newest.get(name["theme"], (name["date"], path.name)), (name["date"], path.name))
+    if not newest:
+        return "No benchmark results committed yet: run those of `benchmarks/README.md`, then `python benchmarks/readme_tables.py`."
+    lines = ["| benchmark | configuration | figure | results |", "|---|---|---|---|"]
+    for theme, extract in HEADLINE_THEMES.items():
+        if theme in newest:
+            file = newest[theme][1]
+            for configuration, figure in extract(json.loads((results / file).read_text())):
+                lines.append(f"| {theme} | {configuration} | {figure} | [{file}](benchmarks/results/{file}) |")
+    return "\n".join(lines)
+
+
+def _assets_line(report: dict) -> str:
+    """What the embedded default is, from a build's report."""
+    spec, data = report["spec"], report["data"]
+    return (f"Each build: a {report['num_parameters'] / 1e6:.2f}M-parameter Qwen3 target ({spec['num_layers']} layers, "
+            f"hidden {spec['hidden_size']}, vocabulary {report['tokenizer_vocab']}) trained on Python's standard library "
+            f"source for {spec['train_steps']} steps (held-out loss {report['heldout_loss_before']:.2f} -> "
+            f"{report['heldout_loss_after']:.2f} nats), {data['num_samples']} training samples whose responses the target "
+            f"regenerated greedily, {data['num_eval_prompts']} held-out prompts.")
 
 
 def _replace(text: str, markers: tuple[str, str], body: str) -> str:
@@ -128,7 +168,8 @@ def _replace(text: str, markers: tuple[str, str], body: str) -> str:
 
 
 def render(readme_text: str, results: Path) -> str:
-    return _replace(_replace(readme_text, TABLE, table(results)), TAU, tau_section(results))
+    text = _replace(readme_text, HEADLINES, headlines(results))
+    return _replace(_replace(text, TABLE, table(results)), TAU, tau_section(results))
 
 
 def main(argv=None) -> int:
@@ -141,15 +182,15 @@ def main(argv=None) -> int:
     new = render(old, args.results)
     if args.check:
         if new != old:
-            print(f"{args.readme}: the DFlash results are stale; run python benchmarks/readme_tables.py", file=sys.stderr)
+            print(f"{args.readme}: the generated results are stale; run python benchmarks/readme_tables.py", file=sys.stderr)
             return 1
-        print(f"{args.readme}: the DFlash results are up to date")
+        print(f"{args.readme}: the generated results are up to date")
         return 0
     if new != old:
         args.readme.write_text(new)
-        print(f"rewrote the DFlash results of {args.readme}")
+        print(f"rewrote the generated results of {args.readme}")
     else:
-        print(f"{args.readme}: the DFlash results were up to date")
+        print(f"{args.readme}: the generated results were up to date")
     return 0
 
 

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 from dflash_results import RESTART, startup_comparable
 
@@ -27,16 +28,22 @@ MODE_NAMES = {"reduce-overhead": "Trees", "whole-step": "whole-step", "eager": "
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
 
 def replay(data: dict) -> list:
-    """Per-thread p50 of one worker, and two workers one per GPU against it (the scaling target)."""
+    """Per-thread p50 of one worker; two workers one per GPU against it (the scaling target), with
+    the steps/s of both and of two processes; three workers sharing one GPU, in steps/s."""
     rows = {(r["task"], r["placement"], r["mode"]): r for r in data["rows"] if r.get("p50_ms") is not None}
     out = []
     for (task, placement, mode), row in rows.items():
         if placement != "worker":
             continue
         figure = f"1 worker thread {row['p50_ms']:.2f} ms"
-        per_gpu = rows.get((task, "per-gpu", mode))
+        per_gpu, procs, shared = (rows.get((task, p, mode)) for p in ("per-gpu", "procs-per-gpu", "shared"))
         if per_gpu is not None:
-            figure += f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone)"
+            figure += (f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone, "
+                       f"{per_gpu['steps_per_s']:.0f} steps/s against {row['steps_per_s']:.0f})")
+        if procs is not None:
+            figure += f"; 2 processes one per GPU {procs['steps_per_s']:.0f} steps/s"
+        if shared is not None:
+            figure += f"; {shared['workers']} workers on one GPU {shared['steps_per_s']:.0f} steps/s"
         if row.get("gil_busy") is not None:
             figure += f"; GIL busy {float(row['gil_busy']):.0%}"
         out.append((f"{task}, {MODE_NAMES.get(mode, mode)}", figure))
@@ -115,21 +122,34 @@ def fence_overhead(data: dict) -> list:
             for r in data["rows"]]
 
 
+def _scenario(scenario: str, result: dict) -> Optional[tuple]:
+    if scenario == "many_workers_8_steps_1000":
+        return ("8 training workers on one GPU, 1000 steps",
+                f"{result['together_steps_per_s']:.0f} steps/s against {result['eager_steps_per_s']:.0f} for eager "
+                f"threads; {sum(result['losses_allclose'])} of 8 equal to alone")
+    if scenario == "whole_step_steps_200":
+        figure = " / ".join(f"{MODE_NAMES.get(m, m)} {ms:.2f} ms" for m, ms in result["p50_ms"].items())
+        if result.get("floor_ms") is not None:
+            figure += f"; hand-captured floor {result['floor_ms']:.2f} ms"
+        return "one worker, step p50", figure
+    return None
+
+
 def gpu_scenarios(data: dict) -> list:
     """Each phase's run of the headline scenarios (a phase is one device call, named by its label)."""
     out = []
     for label, phase in data.items():
-        phase_name = label.split(" ")[0]
-        many = phase.get("many_workers_8_steps_1000")
-        if many is not None:
-            out.append((f"8 training workers on one GPU, 1000 steps ({phase_name})",
-                        f"{many['together_steps_per_s']:.0f} steps/s against {many['eager_steps_per_s']:.0f} for eager "
-                        f"threads; {sum(many['losses_allclose'])} of 8 equal to alone"))
-        whole = phase.get("whole_step_steps_200")
-        if whole is not None:
-            out.append((f"one worker, step p50 ({phase_name})",
-                        " / ".join(f"{MODE_NAMES.get(m, m)} {ms:.2f} ms" for m, ms in whole["p50_ms"].items())))
+        for scenario, result in phase.items():
+            row = _scenario(scenario, result)
+            if row is not None:
+                out.append((f"{row[0]} ({label.split(' ')[0]})", row[1]))
     return out
+
+
+def gpu_scenarios_latest(data: dict) -> list:
+    """The headline scenarios, each from the last phase that ran it (phases are in the order they ran)."""
+    latest = {scenario: result for phase in data.values() for scenario, result in phase.items()}
+    return [row for row in (_scenario(s, r) for s, r in latest.items()) if row is not None]
 
 
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
