@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import common
-from dflash_results import RESTART, startup_comparable
+from dflash_results import RESTART, inductor_cache, startup_comparable
 from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 
@@ -136,7 +136,7 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
         f"target and drafter) {common.fmt(sequential.get('setup_s'), 1)} s, first round (compiles) "
         f"{common.fmt(sequential.get('first_round_s'), 1)} s",
         f"- Inductor cache at the start: threaded {threaded.get('inductor_cache', 'empty')}, sequential "
-        f"{sequential.get('inductor_cache', 'empty')}; Dynamo's compile phases, seconds over all threads:",
+        f"{inductor_cache(sequential)}; Dynamo's compile phases, seconds over all threads:",
         "", common.markdown_table(["phase", "threaded", "sequential"], rows) if rows else "(none recorded)",
     ]
 
@@ -152,10 +152,14 @@ def rerender(path: Path) -> None:
     from examples.dflash_trainer.config import TrainConfig
 
     data = json.loads(path.read_text())
-    cfg = TrainConfig.from_dict(data["config"])
-    cells = data["threaded"], data["sequential"]
-    figures = headline(cfg, *cells, data["env"]["gpu"] is not None, data.get("processes"))
-    text = report(data["env"], cfg, data["shape"], *cells, figures, data.get("processes"))
+    try:
+        cfg = TrainConfig.from_dict(data["config"])
+        cells, env, shape = (data["threaded"], data["sequential"]), data["env"], data["shape"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a dflash_throughput results file this version can re-render "
+                         f"(written by an older one?): {type(exc).__name__}: {exc}")
+    figures = headline(cfg, *cells, env["gpu"] is not None, data.get("processes"))
+    text = report(env, cfg, shape, *cells, figures, data.get("processes"))
     common.write_json(path, {**data, **figures})
     path.with_suffix(".md").write_text(text)
 

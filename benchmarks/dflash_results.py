@@ -4,12 +4,18 @@ the report that writes them and for ``readme_tables.py`` and ``results_index.py`
 
 from __future__ import annotations
 
+EMPTY, SHARED = "empty", "the threaded cell's (a restart)"  # a cell's ``inductor_cache``: what it started on
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
+
+
+def inductor_cache(cell: dict) -> str:
+    """The Inductor cache a cell started on, also for files from before per-cell caches (which came
+    with ``compile_phases_s``), whose sequential cell ran on the threaded cell's cache."""
+    return cell.get("inductor_cache", EMPTY if "compile_phases_s" in cell else SHARED)
 
 
 def startup_comparable(sequential: dict) -> bool:
     """Whether the sequential cell's startup is a first run's, as the threaded cell's always is: it
     started on an empty Inductor cache of its own (``inductor_cache``). Files from before per-cell
-    caches, which came with ``compile_phases_s``, ran it on the threaded cell's cache."""
-    default = "empty" if "compile_phases_s" in sequential else None
-    return sequential.get("inductor_cache", default) == "empty"
+    caches ran it on the threaded cell's cache."""
+    return inductor_cache(sequential) == EMPTY

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 import dflash_processes  # noqa: E402
 import dflash_report  # noqa: E402
+from dflash_results import EMPTY, SHARED  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -333,8 +334,7 @@ def main(argv=None) -> int:
             print(f"[{name}]", file=sys.stderr, flush=True)
             results[name] = (dflash_processes.run_cell(cfg, args.processes, args.cell_timeout, shared)
                              if name == "processes" else run_cell_subprocess(args, name, cfg, shared))
-            results[name]["inductor_cache"] = ("empty" if name == "threaded" or not shared
-                                               else "the threaded cell's (a restart)")
+            results[name]["inductor_cache"] = EMPTY if name == "threaded" or not shared else SHARED
     figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
                                      results.get("processes"))
     shape = target_label(args)

@@ -4,17 +4,19 @@ committed results files (``--check``: only compare).
     python benchmarks/readme_tables.py            # rewrite the sections between the markers
     python benchmarks/readme_tables.py --check    # exit 1 if the README is stale
 
-The section between ``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end -->`` gets one row per
-(target shape, graphs mode): the newest ``dflash-throughput-*.json`` of that pair (by the run's date,
-then file name). A startup figure is a first run's (each cell on an empty Inductor cache) unless the
-run shared one cache between its cells: then the sequential startup is marked a restart and the
-startup ratio is left out. The embedded default target is labelled a launch-bound smoke case: it gives the GPU
-well under a millisecond of work per batch, so it measures overheads, not a pipeline. The section between
-``<!-- dflash-tau:begin -->`` and ``<!-- dflash-tau:end -->`` gets the newest
-``dflash-tau-reproducibility_*.json`` (benchmarks/tau_reproducibility.py): tau next to its baselines.
-The section between ``<!-- results-headlines:begin -->`` and ``<!-- results-headlines:end -->`` gets
-the other benchmarks' headlines (fence, GPU scenarios, per-thread step time), each theme from its
-newest file, as ``results_index.py`` words them.
+Each section takes the newest file of what it shows (``results_index.recency``: the date in the
+file's name, then a GPU's run over a CPU's, then the torch version). The section between
+``<!-- dflash-table:begin -->`` and ``<!-- dflash-table:end -->`` gets one row per (target shape,
+graphs mode) of ``dflash-throughput-*.json``. A startup figure is a first run's (each cell on an
+empty Inductor cache) unless the run shared one cache between its cells: then the sequential startup
+is marked a restart and the startup ratio is left out. The embedded default target is labelled a
+launch-bound smoke case: it gives the GPU less than a millisecond of work per batch, so it measures
+overheads, not a pipeline. The section between ``<!-- dflash-tau:begin -->`` and
+``<!-- dflash-tau:end -->`` gets ``dflash-tau-reproducibility_*.json``
+(benchmarks/tau_reproducibility.py): tau next to its baselines. The section between
+``<!-- results-headlines:begin -->`` and ``<!-- results-headlines:end -->`` gets the other
+benchmarks' headlines (fence, GPU scenarios, per-thread step time), one file per theme, as
+``results_index.py`` words them.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def newest_runs(results: Path) -> list[tuple[dict, str]]:
     for path in sorted(results.glob("dflash-throughput-*.json")):
         try:
             data = json.loads(path.read_text())
-            key, date = (data["shape"], data["graphs"]), data["env"]["date"]
+            key = data["shape"], data["graphs"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}: not a dflash_throughput results JSON with shape, graphs and env.date ({exc!r})")
-        if key not in newest or (date, path.name) > newest[key][0]:
-            newest[key] = ((date, path.name), data, path.name)
+            raise SystemExit(f"{path}: not a dflash_throughput results JSON with shape and graphs ({exc!r})")
+        if key not in newest or results_index.recency(path.name) > newest[key][0]:
+            newest[key] = (results_index.recency(path.name), data, path.name)
     order = {s: i for i, s in enumerate(SHAPE_ORDER)}
     keys = sorted(newest, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
     return [(newest[k][1], newest[k][2]) for k in keys]
@@ -109,8 +111,7 @@ def table(results: Path) -> str:
 
 
 def tau_section(results: Path) -> str:
-    found = sorted(results.glob("dflash-tau-reproducibility_*.json"),
-                   key=lambda p: (json.loads(p.read_text())["env"]["date"], p.name))
+    found = sorted(results.glob("dflash-tau-reproducibility_*.json"), key=lambda p: results_index.recency(p.name))
     if not found:
         return "No tau reproducibility results yet (`python benchmarks/tau_reproducibility.py`)."
     data = json.loads(found[-1].read_text())
@@ -119,7 +120,9 @@ def tau_section(results: Path) -> str:
     where = f"{env.get('gpu') or 'CPU'}, {env.get('cpus')} CPUs, torch {env.get('torch')}, {env.get('date')}"
     same = ("bit-identical (the SHA-256 of every asset file; the build reports equal but for their timings)" if data["bit_identical"]
             else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
-    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}.", _assets_line(builds[0]["report"]), ""]
+    reports = [b["report"] for b in builds if b.get("report")]
+    lines = [f"{len(builds)} fresh builds of the embedded default ({where}): {same}.",
+             *([_assets_line(reports[0]), ""] if reports else [])]
     for i, run in enumerate(runs):
         lines.append(f"- run {i + 1}: tau {run['tau']:.3f} after {run['steps']} steps, against "
                      f"{run['tau_random_init']:.3f} for the random-init drafter and {run['tau_repeat_last_token']:.3f} "
@@ -133,18 +136,20 @@ def tau_section(results: Path) -> str:
 def headlines(results: Path) -> str:
     """One row per headline of the newest file of each of HEADLINE_THEMES (results_index's figures)."""
     newest = {}
-    for path in sorted(results.glob("*.json")):
+    for path in sorted(results.glob("*.json"), key=lambda p: results_index.recency(p.name)):
         name = results_index.NAME.match(path.name)
         if name is not None and name["theme"] in HEADLINE_THEMES:
-            newest[name["theme"]] = max(newest.get(name["theme"], (name["date"], path.name)), (name["date"], path.name))
+            newest[name["theme"]] = name
     if not newest:
         return "No benchmark results committed yet: run those of `benchmarks/README.md`, then `python benchmarks/readme_tables.py`."
-    lines = ["| benchmark | configuration | figure | results |", "|---|---|---|---|"]
+    lines = ["| benchmark | configuration | figure | GPU | torch | results |", "|---|---|---|---|---|---|"]
     for theme, extract in HEADLINE_THEMES.items():
         if theme in newest:
-            file = newest[theme][1]
+            name = newest[theme]
+            file = name.string
             for configuration, figure in extract(json.loads((results / file).read_text())):
-                lines.append(f"| {theme} | {configuration} | {figure} | [{file}](benchmarks/results/{file}) |")
+                lines.append(f"| {theme} | {configuration} | {figure} | {name['hardware']} | {name['torch']} "
+                             f"| [{file}](benchmarks/results/{file}) |")
     return "\n".join(lines)
 
 

@@ -25,6 +25,16 @@ NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<to
 MODE_NAMES = {"reduce-overhead": "Trees", "whole-step": "whole-step", "eager": "eager", "compile": "compile"}
 
 
+def recency(file_name: str) -> tuple:
+    """Sort key of a results file, newest last: its date, then a GPU's run before a CPU's of that
+    date, then the torch version (as numbers: 2.11 after 2.9), then the name."""
+    name = NAME.match(file_name)
+    if name is None:
+        return "", False, (), file_name
+    version = tuple(int(part) for part in re.findall(r"\d+", name["torch"])[:3])
+    return name["date"], name["hardware"] != "cpu", version, file_name
+
+
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
 
 def replay(data: dict) -> list:
@@ -38,8 +48,8 @@ def replay(data: dict) -> list:
         figure = f"1 worker thread {row['p50_ms']:.2f} ms"
         per_gpu, procs, shared = (rows.get((task, p, mode)) for p in ("per-gpu", "procs-per-gpu", "shared"))
         if per_gpu is not None:
-            figure += (f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone, "
-                       f"{per_gpu['steps_per_s']:.0f} steps/s against {row['steps_per_s']:.0f})")
+            figure += (f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone; "
+                       f"{per_gpu['steps_per_s']:.0f} steps/s together, {row['steps_per_s']:.0f} alone)")
         if procs is not None:
             figure += f"; 2 processes one per GPU {procs['steps_per_s']:.0f} steps/s"
         if shared is not None:
@@ -148,8 +158,9 @@ def gpu_scenarios(data: dict) -> list:
 
 def gpu_scenarios_latest(data: dict) -> list:
     """The headline scenarios, each from the last phase that ran it (phases are in the order they ran)."""
-    latest = {scenario: result for phase in data.values() for scenario, result in phase.items()}
-    return [row for row in (_scenario(s, r) for s, r in latest.items()) if row is not None]
+    latest = {scenario: (label, result) for label, phase in data.items() for scenario, result in phase.items()}
+    rows = [(label, _scenario(scenario, result)) for scenario, (label, result) in latest.items()]
+    return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,

@@ -292,3 +292,13 @@ def test_dflash_throughput_refuses_a_processes_pipeline_of_one_rank():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dflash_throughput.py"), "--quick", "--processes", "1"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--processes 1: give one process per device of --devices cpu, at least 2 (on a CPU" in proc.stderr, proc.stderr
+
+
+def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    report = importlib.import_module("dflash_report")
+    path = tmp_path / "dflash-throughput-old_cpu_torch2.13.0_2026-11-01.json"
+    path.write_text(json.dumps({"config": {"max_steps": 10}, "threaded": {}, "sequential": {}, "env": {"gpu": None}}))
+    with pytest.raises(SystemExit, match=r"dflash-throughput-old_cpu.*not a dflash_throughput results file this version "
+                                         r"can re-render .*KeyError: 'shape'"):
+        report.rerender(path)

@@ -57,3 +57,9 @@ def test_a_dflash_sequential_startup_on_the_threaded_cells_cache_is_labelled(tmp
     assert results_index.main(["--results", str(tmp_path)]) == 0
     row = next(line for line in (tmp_path / "README.md").read_text().splitlines() if "dflash-throughput-8b" in line)
     assert f"startup 94 s threaded, 29 s sequential{label} |" in row
+
+
+def test_recency_orders_by_date_then_gpu_over_cpu_then_torch_version():
+    names = ["replay-small_nvidia-h200_torch2.11.0_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-11-30.json",
+             "replay-small_nvidia-h200_torch2.9.1_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-12-01.json"]
+    assert sorted(names, key=results_index.recency) == [names[1], names[2], names[0], names[3]]
