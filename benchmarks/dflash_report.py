@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import common
-from dflash_results import RESTART, inductor_cache, startup_comparable
+from dflash_results import EMPTY, RESTART, inductor_cache, startup_comparable
 from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 
@@ -135,7 +135,7 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
         f"- sequential: {common.fmt(sequential.get('startup_s'), 1)} s to the end of its warmup batches; setup (build, "
         f"target and drafter) {common.fmt(sequential.get('setup_s'), 1)} s, first round (compiles) "
         f"{common.fmt(sequential.get('first_round_s'), 1)} s",
-        f"- Inductor cache at the start: threaded {threaded.get('inductor_cache', 'empty')}, sequential "
+        f"- Inductor cache at the start: threaded {threaded.get('inductor_cache', EMPTY)}, sequential "
         f"{inductor_cache(sequential)}; Dynamo's compile phases, seconds over all threads:",
         "", common.markdown_table(["phase", "threaded", "sequential"], rows) if rows else "(none recorded)",
     ]

@@ -54,6 +54,8 @@ from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the traine
 from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
 
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
+
+
 def run_threaded(cfg) -> dict:
     """The trainer itself. startup_s: from the call of ``train`` (pipeline build, model loads, worker
     setups, compilation, capture) to the end of the first tokens/s window, the first LOG_EVERY

@@ -16,7 +16,7 @@ def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", se
     data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"},
             "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
             "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
-            "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5,
+            "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5, "startup_ratio": 2.0,
             "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
     data["sequential"] = {"compile_phases_s": {}} if sequential_cache is None else {"inductor_cache": sequential_cache}
     name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch2.11.0_{date}.json"
