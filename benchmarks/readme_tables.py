@@ -39,14 +39,15 @@ HEADLINE_THEMES = {"fence-matrix": results_index.fence_matrix, "fence-overhead":
                    "gpu-scenarios": results_index.gpu_scenarios_latest, "replay-dflash": results_index.replay,
                    "replay-dflash-gil": results_index.replay, "replay-small": results_index.replay,
                    "replay-small-gil": results_index.replay}
-SHAPE_ORDER = ("default", "tiny-assets", "tiny", "0.6b", "1.7b", "4b", "8b")
+EMBEDDED_ORDER = ("default", "tiny-assets", "tiny")  # then the published shapes by size (0.6b, ..., 32b)
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
            "startup s sequential", "startup threaded / sequential", "GIL host ms/batch", "GPUs one process feeds", "results")
 
 
 def newest_runs(results: Path) -> list[tuple[dict, str]]:
-    """(data, file name) of the newest run per (shape, graphs), in SHAPE_ORDER then graphs order."""
+    """(data, file name) of the newest run per (shape, graphs): the embedded targets, then the
+    published shapes by their size, each in graphs order."""
     newest: dict[tuple[str, str], tuple[tuple, dict, str]] = {}
     for path in sorted(results.glob("dflash-throughput-*.json")):
         try:
@@ -56,9 +57,17 @@ def newest_runs(results: Path) -> list[tuple[dict, str]]:
             raise SystemExit(f"{path}: not a dflash_throughput results JSON with shape and graphs ({exc!r})")
         if key not in newest or results_index.recency(path.name) > newest[key][0]:
             newest[key] = (results_index.recency(path.name), data, path.name)
-    order = {s: i for i, s in enumerate(SHAPE_ORDER)}
-    keys = sorted(newest, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
+    keys = sorted(newest, key=lambda k: (*_shape_rank(k[0]), k[1]))
     return [(newest[k][1], newest[k][2]) for k in keys]
+
+
+def _shape_rank(shape: str) -> tuple[int, float, str]:
+    if shape in EMBEDDED_ORDER:
+        return 0, EMBEDDED_ORDER.index(shape), shape
+    try:
+        return 1, float(shape.removesuffix("b")), shape
+    except ValueError:
+        return 2, 0.0, shape
 
 
 def _num(value, digits: int = 2) -> str:

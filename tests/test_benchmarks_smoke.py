@@ -302,3 +302,17 @@ def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
     with pytest.raises(SystemExit, match=r"dflash-throughput-old_cpu.*not a dflash_throughput results file this version "
                                          r"can re-render .*KeyError: 'shape'"):
         report.rerender(path)
+
+
+def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsys, monkeypatch):
+    if _dflash_skip_reason():
+        pytest.skip(_dflash_skip_reason())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    module = importlib.import_module("dflash_throughput")
+    from examples.dflash_trainer import shapes
+
+    monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))  # nothing built there yet
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
+    assert module.main(["--quick", "--target-shape", "tiny", "--out-dir", str(tmp_path / "out")]) == 2
+    assert "error: target shape tiny: its 0.0 GiB of weights do not fit on the disk of" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

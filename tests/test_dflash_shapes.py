@@ -11,13 +11,16 @@ from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, qwen3_config, shape_target
+from examples.dflash_trainer import shapes as shapes_module
+from examples.dflash_trainer import sizes
+from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
 from examples.dflash_trainer.train import train
 
 VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
 # The model cards' non-embedding parameter counts (Qwen/Qwen3-*), and their config.json values.
 PUBLISHED = {"0.6b": (0.44e9, 1024, 28, 3072, 16, 8, True), "1.7b": (1.4e9, 2048, 28, 6144, 16, 8, True),
-             "4b": (3.6e9, 2560, 36, 9728, 32, 8, True), "8b": (6.95e9, 4096, 36, 12288, 32, 8, False)}
+             "4b": (3.6e9, 2560, 36, 9728, 32, 8, True), "8b": (6.95e9, 4096, 36, 12288, 32, 8, False),
+             "14b": (13.2e9, 5120, 40, 17408, 40, 8, False), "32b": (31.2e9, 5120, 64, 25600, 64, 8, False)}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -85,4 +88,30 @@ def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_pat
     assert result["target_report"]["shape"] == "tiny" and len(result["losses"]) == 2
     assert RANDOM_WEIGHTS_WARNING in caplog.text
     assert (tmp_path / "cache" / f"dflash-shape-tiny-on-{tiny_assets.root.name}").is_dir()
-    assert set(SHAPES) >= {"tiny", "0.6b", "1.7b", "4b", "8b"}
+    assert set(SHAPES) >= {"tiny", *PUBLISHED}
+
+
+def _no_leftovers(cache):
+    return not cache.exists() or [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_shape_too_large_for_the_cache_disk_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch, capsys):
+    free = type("Usage", (), {"free": 1000})()
+    monkeypatch.setattr(shapes_module.shutil, "disk_usage", lambda path: free)
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
+    with pytest.raises(NoRoomToBuild, match=r"target shape tiny: its 0\.0 GiB of weights do not fit on the disk of "
+                                            r".*\(0\.0 GiB free\); point THREADGRAPH_CACHE at a larger disk"):
+        shape_target("tiny", tiny_assets, tmp_path / "cache")
+    assert _no_leftovers(tmp_path / "cache")
+    monkeypatch.setattr(assets_module, "default_assets", lambda: tiny_assets)
+    monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))
+    assert shapes_module.main(["tiny"]) == EXIT_BAD_INPUT
+    assert "error: target shape tiny: its 0.0 GiB of weights do not fit on the disk" in capsys.readouterr().err
+
+
+def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(sizes, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
+    with pytest.raises(NoRoomToBuild, match=r"target shape tiny: drawing its 0\.0 GiB of weights needs that much free "
+                                            r"memory on cpu \(0\.0 GiB free\)"):
+        shape_target("tiny", tiny_assets, tmp_path / "cache", device="cpu")
+    assert _no_leftovers(tmp_path / "cache")

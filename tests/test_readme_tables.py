@@ -120,3 +120,14 @@ def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_
 
 def test_the_committed_readme_is_what_the_committed_results_give():
     assert readme_tables.main(["--check"]) == 0
+
+
+def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for shape in ("14b", "8b", "default", "0.6b", "32b"):
+        _result(results, shape, "whole-step", "2026-12-01", 100_000.0)
+    _result(results, "8b", "trees", "2026-12-01", 100_000.0)
+    order = [(data["shape"], data["graphs"]) for data, _ in readme_tables.newest_runs(results)]
+    assert order == [("default", "whole-step"), ("0.6b", "whole-step"), ("8b", "trees"), ("8b", "whole-step"),
+                     ("14b", "whole-step"), ("32b", "whole-step")]

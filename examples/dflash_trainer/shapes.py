@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,17 +29,22 @@ from pathlib import Path
 import torch
 
 from .assets import DefaultAssets, default_cache_root, exclusive_lock, remove_leftovers, swap_into_place
+from .errors import EXIT_BAD_INPUT, BadInput
 
-__all__ = ["SHAPES", "RANDOM_WEIGHTS_WARNING", "TargetShape", "qwen3_config", "shape_target"]
+__all__ = ["SHAPES", "RANDOM_WEIGHTS_WARNING", "NoRoomToBuild", "TargetShape", "qwen3_config", "shape_target"]
 
 logger = logging.getLogger(__name__)
 
 SEED = 0
-MAX_SHARD = "5GB"  # the 4b and 8b targets are saved in shards of at most this
+MAX_SHARD = "5GB"  # the 4b and larger targets are saved in shards of at most this
 INIT_STD = 0.02  # Qwen3's initializer_range: what HF's own init draws Linear and Embedding weights with
 _REPORT = "shape_report.json"
 RANDOM_WEIGHTS_WARNING = ("the target has random weights (--target-shape): acceptance length tau and the "
                           "baselines mean nothing in this run; use it for throughput only")
+
+
+class NoRoomToBuild(BadInput):
+    """A shape's weights do not fit on the build device or on the cache's disk."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ SHAPES = {
     "1.7b": TargetShape(2048, 28, 6144, 16, 8, 128, tie_word_embeddings=True),
     "4b": TargetShape(2560, 36, 9728, 32, 8, 128, tie_word_embeddings=True),
     "8b": TargetShape(4096, 36, 12288, 32, 8, 128, tie_word_embeddings=False),
+    "14b": TargetShape(5120, 40, 17408, 40, 8, 128, tie_word_embeddings=False),
+    "32b": TargetShape(5120, 64, 25600, 64, 8, 128, tie_word_embeddings=False),
 }
 
 
@@ -134,10 +142,12 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
     # change to torch's process-global default dtype (hazard global-default-dtype).
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    model = model.to(dtype=torch.bfloat16).to_empty(device=device)
+    model = model.to(dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight appears once
+    _check_room(name, total * 2, out, device)
+    model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
-    params = dict(model.named_parameters())  # a tied weight appears once
-    total = sum(p.numel() for p in params.values())
+    params = dict(model.named_parameters())
     logger.info("target shape %s: drawing %.2fB random parameters on %s (seed %d)", name, total / 1e9, device, SEED)
     gen = torch.Generator(device=device).manual_seed(SEED)  # private: no other thread's draws move it
     done, next_log = 0, 0.1
@@ -164,6 +174,23 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
     logger.info("target shape %s: built in %.1f s", name, report["build_s"])
 
 
+def _check_room(name: str, weight_bytes: int, out: Path, device: str) -> None:
+    """Refuse a build that cannot finish, before it draws anything: its bfloat16 weights are held
+    once on ``device`` and written once to the cache's disk (the 32b: 58 GiB of each)."""
+    from .sizes import GiB, free_bytes  # sizes imports the config, which imports this module
+
+    disk = shutil.disk_usage(out).free
+    if weight_bytes > disk:
+        raise NoRoomToBuild(f"target shape {name}: its {weight_bytes / GiB:.1f} GiB of weights do not fit on the disk "
+                            f"of {out.parent} ({disk / GiB:.1f} GiB free); point THREADGRAPH_CACHE at a larger disk "
+                            f"or pick a smaller shape")
+    free = free_bytes(device)
+    if free is not None and weight_bytes > free:
+        raise NoRoomToBuild(f"target shape {name}: drawing its {weight_bytes / GiB:.1f} GiB of weights needs that much "
+                            f"free memory on {device} ({free / GiB:.1f} GiB free); build it on a larger device or "
+                            f"pick a smaller shape")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m examples.dflash_trainer.shapes NAME...``: build (or find) shape targets ahead of a run."""
     import argparse
@@ -177,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     assets = default_assets()
     for name in args.names:
         print(f"target shape {name}: building it if it is not cached", flush=True)
-        built = shape_target(name, assets)
+        try:
+            built = shape_target(name, assets)
+        except NoRoomToBuild as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         print(f"target shape {name}: {built.dir} ({built.report['num_parameters'] / 1e9:.2f}B parameters)")
     print(f"WARNING: {RANDOM_WEIGHTS_WARNING}")
     return 0
