@@ -74,6 +74,19 @@ def dflash_throughput(data: dict) -> list:
     return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
 
 
+def dflash_ab(data: dict) -> list:
+    """One row per tree: the range of its runs, taken in turns with the other trees on one machine."""
+    mode = "Trees" if data["graphs"] == "trees" else data["graphs"]
+    def span(t, key, scale, fmt):
+        lo, hi = (format(t[f"{key}_{end}"] / scale, fmt) for end in ("min", "max"))
+        return lo if lo == hi else f"{lo} - {hi}"
+
+    return [(f"{data['shape']} target, {mode}: tree {name}, {t['runs']} run{'s' if t['runs'] > 1 else ''}",
+             f"threaded {span(t, 'tokens_per_s_threaded', 1e3, '.0f')}k tokens/s, sequential "
+             f"{span(t, 'tokens_per_s_sequential', 1e3, '.0f')}k; sequential host {span(t, 'host_gil_ms_per_batch', 1, '.2f')} ms/batch")
+            for name, t in data["trees"].items()]
+
+
 def tau_reproducibility(data: dict) -> list:
     tau = data["tau"]
     same = "bit-identical" if data["bit_identical"] else f"differing in {len(data['differing_files'])} files"
@@ -163,7 +176,7 @@ def gpu_scenarios_latest(data: dict) -> list:
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
-EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
+EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-ab": dflash_ab, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility}
 

@@ -1,0 +1,96 @@
+"""benchmarks/dflash_ab.py: source trees run in turns, each run's figures listed in the order they ran."""
+
+import importlib
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+dflash_ab = importlib.import_module("dflash_ab")
+results_index = importlib.import_module("results_index")
+
+# A stand-in for a tree's dflash_throughput.py: writes a results file whose figures say which tree
+# ran, in which turn, with which Inductor cache; tree "broken" fails.
+FAKE_BENCH = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    out = Path(sys.argv[sys.argv.index("--out-dir") + 1])
+    tree = Path(__file__).resolve().parent.parent.name
+    if tree == "broken":
+        sys.exit(3)
+    log = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent / "turns.txt"
+    turn = len(log.read_text().splitlines()) if log.exists() else 0
+    log.write_text((log.read_text() if log.exists() else "") + tree + "\\n")
+    out.mkdir(parents=True)
+    data = {"shape": "default", "graphs": "whole-step", "env": {"gpu": None, "torch": "2.13.0", "cpus": 2, "date": "2026-12-01"},
+            "tokens_per_s_threaded": 1000.0 * (turn + 1), "tokens_per_s_sequential": 2000.0, "ratio": (turn + 1) / 2,
+            "host_gil_ms_per_batch": 0.5 + turn, "gpu_ms_per_batch": None,
+            "args_seen": sys.argv[1:], "cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    (out / "dflash-throughput-default-whole-step_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(data))
+""")
+
+
+def _tree(root: Path, name: str) -> Path:
+    (root / name / "benchmarks").mkdir(parents=True)
+    (root / name / "benchmarks" / "dflash_throughput.py").write_text(FAKE_BENCH)
+    return root / name
+
+
+def test_trees_run_in_turns_and_the_summary_keeps_their_order(tmp_path, capsys):
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    work, out = tmp_path / "work", tmp_path / "out"
+    argv = ["--tree", f"a={a}", "--tree", f"b={b}", "--reps", "2", "--work", str(work), "--out-dir", str(out),
+            "--", "--cuda-graphs", "whole-step"]
+    assert dflash_ab.main(argv) == 0
+    assert (work / "turns.txt").read_text().split() == ["a", "b", "a", "b"]
+    summary = json.loads((out / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["a-1", "b-1", "a-2", "b-2"]
+    assert [r["tokens_per_s_threaded"] for r in summary["runs"]] == [1000.0, 2000.0, 3000.0, 4000.0]
+    assert summary["trees"]["a"]["tokens_per_s_threaded_min"] == 1000.0 and summary["trees"]["a"]["tokens_per_s_threaded_max"] == 3000.0
+    assert summary["trees"]["b"]["host_gil_ms_per_batch_max"] == 3.5 and summary["trees"]["b"]["runs"] == 2
+    seen = json.loads(next((work / "b-2").glob("*.json")).read_text())
+    assert seen["args_seen"] == ["--out-dir", str(work / "b-2"), "--cuda-graphs", "whole-step"]
+    assert seen["cache"] == str(work / "inductor-cache-b")
+    assert "| a-2 | a | 3000 | 2000 | 1.50 | 2.500 | - | - |" in capsys.readouterr().out
+    rows = results_index.dflash_ab(summary)
+    assert rows[0] == ("default target, whole-step: tree a, 2 runs",
+                       "threaded 1 - 3k tokens/s, sequential 2k; sequential host 0.50 - 2.50 ms/batch")
+    again = tmp_path / "again"
+    assert dflash_ab.main(["--summarize", str(work), "--out-dir", str(again)]) == 0
+    assert (again / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json").read_text() == json.dumps(summary, indent=1) + "\n"
+
+
+def test_a_failed_run_is_listed_and_the_others_still_count(tmp_path, capsys):
+    a, broken = _tree(tmp_path, "a"), _tree(tmp_path, "broken")
+    argv = ["--tree", f"a={a}", "--tree", f"broken={broken}", "--reps", "1", "--work", str(tmp_path / "w"),
+            "--out-dir", str(tmp_path / "out")]
+    assert dflash_ab.main(argv) == 0
+    assert "| broken-1 | broken | failed (rc 3) |" in capsys.readouterr().out
+    summary = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    assert list(summary["trees"]) == ["a"]
+
+
+def test_a_work_dir_without_results_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no runs.json, so not a folder this script ran in"):
+        dflash_ab.main(["--summarize", str(tmp_path)])
+    broken = _tree(tmp_path, "broken")
+    other = _tree(tmp_path / "x", "broken")
+    with pytest.raises(SystemExit, match="no run wrote a dflash_throughput results file"):
+        dflash_ab.main(["--tree", f"one={broken}", "--tree", f"two={other}", "--reps", "1", "--work", str(tmp_path / "w"),
+                        "--out-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "a=."], "give at least two --tree NAME=DIR"),
+    (["--tree", "a=.", "--tree", "b=/nonexistent"], "--tree b=/nonexistent: give NAME=DIR"),
+    (["--tree", "a-1=.", "--tree", "b=."], "a name without '-'"),
+    (["--tree", "a=.", "--tree", "b=.", "--", "--out-dir", "x"], "--out-dir is this script's"),
+])
+def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dflash_ab.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
