@@ -33,25 +33,42 @@ def cell_env(tmp: str, cache_dir: str) -> dict:
     return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
 
 
+def wait_or_stop(proc: subprocess.Popen, timeout: float) -> Optional[tuple]:
+    """``proc.communicate()`` within ``timeout`` seconds, or None when it ran out. A child that runs
+    out, or whose parent is leaving (SIGTERM turned SystemExit, Ctrl-C), is stopped, never left
+    running: SIGTERM first (torchrun passes it on to its ranks, which run in sessions of their own
+    and would outlive a SIGKILL of torchrun), SIGKILL 60 s later."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        return None
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
 def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
     """Run a benchmark cell subprocess: ``cmd_before_out + [path]``, which writes its result as
-    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line.
-    On timeout the cell gets SIGTERM first (torchrun passes it on to its ranks, which run in
-    sessions of their own and would outlive a SIGKILL of torchrun), then SIGKILL."""
+    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line
+    (``wait_or_stop``: a cell never outlives its timeout or its parent)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
         proc = subprocess.Popen([*cmd_before_out, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=cell_env(tmp, cache_dir))
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+        outputs = wait_or_stop(proc, timeout)
+        if outputs is None:
             return {"error": f"timed out after {timeout} s"}
+        stderr = outputs[1]
         if out.exists():
             return json.loads(out.read_text())
         sys.stderr.write(stderr[-3000:])

@@ -13,9 +13,12 @@ during that run)::
         -- --cuda-graphs whole-step --steps 60
     python benchmarks/dflash_ab.py --summarize /tmp/ab    # the summary again, from the runs' own files
 
-Each run's results land in ``WORK/<tree>-<rep>/``; ``WORK/runs.json`` records the order they ran
-in. Each tree runs with ``TORCHINDUCTOR_CACHE_DIR=WORK/inductor-cache-<tree>`` (trees whose cells
-pick their own cache ignore it). The summary goes to ``benchmarks/results/dflash-ab-<target>-<graphs>_...``.
+Each run's results land in ``WORK/<tree>-<rep>/`` (emptied first); ``WORK/runs.json`` records the
+order they ran in. Each tree runs with ``TORCHINDUCTOR_CACHE_DIR=WORK/inductor-cache-<tree>`` (trees
+whose cells pick their own cache ignore it). ``--tree-arg NAME=ARG`` gives one tree an argument the
+others lack (a flag an older tree does not know), ``--tree-env NAME=VAR=VALUE`` an environment
+variable (a variant of one tree under a second name). The summary goes to
+``benchmarks/results/dflash-ab-<target>-<graphs>_...``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,27 +41,47 @@ FIGURES = ("tokens_per_s_threaded", "tokens_per_s_sequential", "ratio", "host_gi
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR", help="a source tree to run (2 or more)")
+    p.add_argument("--tree-arg", action="append", default=[], metavar="NAME=ARG", help="an argument for one tree only")
+    p.add_argument("--tree-env", action="append", default=[], metavar="NAME=VAR=VALUE", help="a variable for one tree only")
     p.add_argument("--reps", type=int, default=2, help="turns of every tree (default 2)")
     p.add_argument("--work", type=Path, help="where the runs write (default: a new folder in /tmp)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds one run may take (default 900)")
+    p.add_argument("--timeout", type=int, default=1800,
+                   help="seconds one run may take (default 1800: dflash_throughput's two cells of up to 600 s each, "
+                        "and a shape build)")
     p.add_argument("--summarize", type=Path, metavar="WORK", help="only summarize the runs already in WORK")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then dflash_throughput.py's arguments")
     args = p.parse_args(argv)
     args.bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
-    if args.summarize is None:
-        trees = {}
-        for spec in args.tree:
-            name, _, path = spec.partition("=")
-            if not name or not path or "-" in name or not Path(path, "benchmarks", "dflash_throughput.py").is_file():
-                p.error(f"--tree {spec}: give NAME=DIR, a name without '-' and a source tree with "
-                        "benchmarks/dflash_throughput.py")
-            trees[name] = Path(path).resolve()
-        if len(trees) < 2:
-            p.error("give at least two --tree NAME=DIR to compare")
-        if any(a.startswith("--out-dir") for a in args.bench_args):
-            p.error("--out-dir is this script's (each run writes to WORK/<tree>-<rep>)")
-        args.trees = trees
+    if args.summarize is not None:
+        return args
+    args.trees = {}
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            p.error(f"--tree {spec}: give NAME=DIR")
+        if "-" in name:
+            p.error(f"--tree {spec}: give a name without '-' (run folders are NAME-REP)")
+        if name in args.trees:
+            p.error(f"--tree {spec}: a second tree named {name}; give each tree its own name")
+        if not Path(path, "benchmarks", "dflash_throughput.py").is_file():
+            p.error(f"--tree {spec}: {path} has no benchmarks/dflash_throughput.py; give a source tree of this repository")
+        args.trees[name] = Path(path).resolve()
+    if len(args.trees) < 2:
+        p.error("give at least two --tree NAME=DIR to compare")
+    if args.reps < 1:
+        p.error(f"--reps {args.reps}: give 1 or more")
+    if any(a.startswith("--out-dir") for a in args.bench_args):
+        p.error("--out-dir is this script's (each run writes to WORK/<tree>-<rep>)")
+    args.extra_args, args.extra_env = {}, {}
+    for flag, spec in [("--tree-arg", s) for s in args.tree_arg] + [("--tree-env", s) for s in args.tree_env]:
+        name, _, value = spec.partition("=")
+        if name not in args.trees or not value or (flag == "--tree-env" and "=" not in value):
+            p.error(f"{flag} {spec}: give NAME={'VAR=VALUE' if flag == '--tree-env' else 'ARG'} for a tree of --tree")
+        if flag == "--tree-arg":
+            args.extra_args.setdefault(name, []).append(value)
+        else:
+            args.extra_env.setdefault(name, []).append(value)
     return args
 
 
@@ -68,19 +92,28 @@ def run_all(args) -> Path:
     for rep in range(1, args.reps + 1):
         for name, tree in args.trees.items():
             run_dir = work / f"{name}-{rep}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run that writes nothing must not show an older one's figures
+            extra_args, extra_env = args.extra_args.get(name, []), args.extra_env.get(name, [])
             env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}",
-                   "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-cache-{name}")}
-            cmd = [sys.executable, str(tree / "benchmarks" / "dflash_throughput.py"), "--out-dir", str(run_dir), *args.bench_args]
+                   "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-cache-{name}"),
+                   **dict(v.split("=", 1) for v in extra_env)}
+            cmd = [sys.executable, str(tree / "benchmarks" / "dflash_throughput.py"), "--out-dir", str(run_dir),
+                   *args.bench_args, *extra_args]
             print(f"[{name} {rep}/{args.reps}] {tree}", file=sys.stderr, flush=True)
             started = time.perf_counter()
-            try:
-                rc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+            rc = "timeout" if common.wait_or_stop(proc, args.timeout) is None else proc.returncode
             order.append({"run": run_dir.name, "tree": name, "dir": str(tree), "rc": rc,
-                          "took_s": round(time.perf_counter() - started, 1)})
+                          "took_s": round(time.perf_counter() - started, 1),
+                          **({"extra_args": extra_args} if extra_args else {}),
+                          **({"extra_env": " ".join(extra_env)} if extra_env else {})})
             (work / "runs.json").write_text(json.dumps({"bench_args": args.bench_args, "runs": order}, indent=1) + "\n")
     return work
+
+
+def counts(run: dict) -> bool:
+    """A run counts when it ended well and both its cells measured (a failed cell leaves its figures None)."""
+    return run["rc"] == 0 and all(run[k] is not None for k in FIGURES[:4])
 
 
 def summarize(work: Path) -> dict:
@@ -94,9 +127,9 @@ def summarize(work: Path) -> dict:
         data = json.loads(files[-1].read_text()) if files else {}
         runs.append({**entry, **{k: data.get(k) for k in FIGURES}, "shape": data.get("shape"), "graphs": data.get("graphs"),
                      "env": data.get("env")})
-    done = [r for r in runs if r["tokens_per_s_threaded"] is not None]
+    done = [r for r in runs if counts(r)]
     if not done:
-        raise SystemExit(f"{work}: no run wrote a dflash_throughput results file")
+        raise SystemExit(f"{work}: no run measured both cells (each run's own log says why)")
     trees = {}
     for r in done:
         trees.setdefault(r["tree"], []).append(r)
@@ -115,8 +148,9 @@ def report(summary: dict) -> str:
              "| run | tree | threaded tokens/s | sequential tokens/s | threaded / sequential | sequential host ms/batch "
              "| GPU ms/batch | also given |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
-        if r["tokens_per_s_threaded"] is None:
-            lines.append(f"| {r['run']} | {r['tree']} | failed (rc {r['rc']}) | | | | | |")
+        if not counts(r):
+            why = f"failed (rc {r['rc']})" if r["rc"] != 0 else "a cell failed (no figures)"
+            lines.append(f"| {r['run']} | {r['tree']} | {why} | | | | | |")
             continue
         gpu = "-" if r["gpu_ms_per_batch"] is None else f"{r['gpu_ms_per_batch']:.3f}"
         given = " ".join([*r.get("extra_args", []), *([r["extra_env"]] if r.get("extra_env") else [])]) or "-"
@@ -126,6 +160,7 @@ def report(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
+    common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
     args = parse_args(argv)
     work = args.summarize or run_all(args)
     summary = summarize(work)

@@ -329,13 +329,13 @@ def main(argv=None) -> int:
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
-        from examples.dflash_trainer.errors import BadInput
+        from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput
 
         try:
             cfg = make_config(args, run_dir)
         except BadInput as err:  # a shape with no room to build, for one
             print(f"error: {err}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         results = {}
         shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
         for name in ("threaded", "sequential", *(("processes",) if args.processes else ())):

@@ -38,7 +38,8 @@ HEADLINES = ("<!-- results-headlines:begin -->", "<!-- results-headlines:end -->
 HEADLINE_THEMES = {"fence-matrix": results_index.fence_matrix, "fence-overhead": results_index.fence_overhead,
                    "gpu-scenarios": results_index.gpu_scenarios_latest, "replay-dflash": results_index.replay,
                    "replay-dflash-gil": results_index.replay, "replay-small": results_index.replay,
-                   "replay-small-gil": results_index.replay, "dflash-ab-default-whole-step": results_index.dflash_ab}
+                   "replay-small-gil": results_index.replay}
+HEADLINE_FAMILIES = {"dflash-ab-": results_index.dflash_ab}  # then every theme of these, by name
 EMBEDDED_ORDER = ("default", "tiny-assets", "tiny")  # then the published shapes by size (0.6b, ..., 32b)
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
@@ -142,16 +143,18 @@ def tau_section(results: Path) -> str:
 
 
 def headlines(results: Path) -> str:
-    """One row per headline of the newest file of each of HEADLINE_THEMES (results_index's figures)."""
+    """One row per headline of the newest file of each of HEADLINE_THEMES, then of each theme of
+    HEADLINE_FAMILIES (results_index's figures)."""
     newest = {}
     for path in sorted(results.glob("*.json"), key=lambda p: results_index.recency(p.name)):
         name = results_index.NAME.match(path.name)
-        if name is not None and name["theme"] in HEADLINE_THEMES:
+        if name is not None and _headline_extractor(name["theme"]) is not None:
             newest[name["theme"]] = name
     if not newest:
         return "No benchmark results committed yet: run those of `benchmarks/README.md`, then `python benchmarks/readme_tables.py`."
     lines = ["| benchmark | configuration | figure | GPU | torch | results |", "|---|---|---|---|---|---|"]
-    for theme, extract in HEADLINE_THEMES.items():
+    families = sorted(t for t in newest if t not in HEADLINE_THEMES)
+    for theme, extract in [*HEADLINE_THEMES.items(), *((t, _headline_extractor(t)) for t in families)]:
         if theme in newest:
             name = newest[theme]
             file = name.string
@@ -159,6 +162,12 @@ def headlines(results: Path) -> str:
                 lines.append(f"| {theme} | {configuration} | {figure} | {name['hardware']} | {name['torch']} "
                              f"| [{file}](benchmarks/results/{file}) |")
     return "\n".join(lines)
+
+
+def _headline_extractor(theme: str):
+    if theme in HEADLINE_THEMES:
+        return HEADLINE_THEMES[theme]
+    return next((extract for prefix, extract in HEADLINE_FAMILIES.items() if theme.startswith(prefix)), None)
 
 
 def _assets_line(report: dict) -> str:

@@ -22,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = "README.md"
 NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
                   r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
-MODE_NAMES = {"reduce-overhead": "Trees", "whole-step": "whole-step", "eager": "eager", "compile": "compile"}
+MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
+              "compile": "compile"}
 
 
 def recency(file_name: str) -> tuple:
@@ -76,7 +77,7 @@ def dflash_throughput(data: dict) -> list:
 
 def dflash_ab(data: dict) -> list:
     """One row per tree: the range of its runs, taken in turns with the other trees on one machine."""
-    mode = "Trees" if data["graphs"] == "trees" else data["graphs"]
+    mode = MODE_NAMES.get(data["graphs"], data["graphs"])
     def span(t, key, scale, fmt):
         lo, hi = (format(t[f"{key}_{end}"] / scale, fmt) for end in ("min", "max"))
         return lo if lo == hi else f"{lo} - {hi}"

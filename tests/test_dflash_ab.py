@@ -14,7 +14,8 @@ dflash_ab = importlib.import_module("dflash_ab")
 results_index = importlib.import_module("results_index")
 
 # A stand-in for a tree's dflash_throughput.py: writes a results file whose figures say which tree
-# ran, in which turn, with which Inductor cache; tree "broken" fails.
+# ran, in which turn, with which arguments and Inductor cache; tree "broken" fails, tree "half" has
+# a failed sequential cell (its figures None, as dflash_throughput writes them).
 FAKE_BENCH = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
@@ -29,7 +30,9 @@ FAKE_BENCH = textwrap.dedent("""
     data = {"shape": "default", "graphs": "whole-step", "env": {"gpu": None, "torch": "2.13.0", "cpus": 2, "date": "2026-12-01"},
             "tokens_per_s_threaded": 1000.0 * (turn + 1), "tokens_per_s_sequential": 2000.0, "ratio": (turn + 1) / 2,
             "host_gil_ms_per_batch": 0.5 + turn, "gpu_ms_per_batch": None,
-            "args_seen": sys.argv[1:], "cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+            "args_seen": sys.argv[1:], "cache": os.environ["TORCHINDUCTOR_CACHE_DIR"], "variant": os.environ.get("AB_VARIANT")}
+    if tree == "half":
+        data.update(tokens_per_s_sequential=None, ratio=None, host_gil_ms_per_batch=None)
     (out / "dflash-throughput-default-whole-step_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(data))
 """)
 
@@ -64,33 +67,83 @@ def test_trees_run_in_turns_and_the_summary_keeps_their_order(tmp_path, capsys):
     assert (again / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json").read_text() == json.dumps(summary, indent=1) + "\n"
 
 
-def test_a_failed_run_is_listed_and_the_others_still_count(tmp_path, capsys):
-    a, broken = _tree(tmp_path, "a"), _tree(tmp_path, "broken")
-    argv = ["--tree", f"a={a}", "--tree", f"broken={broken}", "--reps", "1", "--work", str(tmp_path / "w"),
-            "--out-dir", str(tmp_path / "out")]
-    assert dflash_ab.main(argv) == 0
-    assert "| broken-1 | broken | failed (rc 3) |" in capsys.readouterr().out
-    summary = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
-    assert list(summary["trees"]) == ["a"]
-
-
 def test_a_work_dir_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no runs.json, so not a folder this script ran in"):
         dflash_ab.main(["--summarize", str(tmp_path)])
     broken = _tree(tmp_path, "broken")
     other = _tree(tmp_path / "x", "broken")
-    with pytest.raises(SystemExit, match="no run wrote a dflash_throughput results file"):
+    with pytest.raises(SystemExit, match="no run measured both cells"):
         dflash_ab.main(["--tree", f"one={broken}", "--tree", f"two={other}", "--reps", "1", "--work", str(tmp_path / "w"),
                         "--out-dir", str(tmp_path / "out")])
 
 
+TREE = str(ROOT)
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--tree", "a=."], "give at least two --tree NAME=DIR"),
-    (["--tree", "a=.", "--tree", "b=/nonexistent"], "--tree b=/nonexistent: give NAME=DIR"),
-    (["--tree", "a-1=.", "--tree", "b=."], "a name without '-'"),
-    (["--tree", "a=.", "--tree", "b=.", "--", "--out-dir", "x"], "--out-dir is this script's"),
+    (["--tree", f"a={TREE}"], "give at least two --tree NAME=DIR"),
+    (["--tree", f"a={TREE}", "--tree", "b"], "--tree b: give NAME=DIR"),
+    (["--tree", f"a={TREE}", "--tree", "b=/nonexistent"], "/nonexistent has no benchmarks/dflash_throughput.py"),
+    (["--tree", f"a-1={TREE}", "--tree", f"b={TREE}"], "a name without '-'"),
+    (["--tree", f"a={TREE}", "--tree", f"a={TREE}"], "a second tree named a"),
+    (["--tree", f"a={TREE}", "--tree", f"b={TREE}", "--reps", "0"], "--reps 0: give 1 or more"),
+    (["--tree", f"a={TREE}", "--tree", f"b={TREE}", "--tree-arg", "c=--x"], "--tree-arg c=--x: give NAME=ARG for a tree"),
+    (["--tree", f"a={TREE}", "--tree", f"b={TREE}", "--tree-env", "a=NOVALUE"], "--tree-env a=NOVALUE: give NAME=VAR=VALUE"),
+    (["--tree", f"a={TREE}", "--tree", f"b={TREE}", "--", "--out-dir", "x"], "--out-dir is this script's"),
 ])
 def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         dflash_ab.parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_one_trees_own_arguments_and_variables_reach_it_alone(tmp_path):
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    work = tmp_path / "work"
+    argv = ["--tree", f"a={a}", "--tree", f"b={b}", "--reps", "1", "--work", str(work), "--out-dir", str(tmp_path / "out"),
+            "--tree-arg", "b=--inductor-cache=shared", "--tree-env", "b=AB_VARIANT=compile_threads_1"]
+    assert dflash_ab.main(argv) == 0
+    seen = {t: json.loads(next((work / f"{t}-1").glob("*.json")).read_text()) for t in "ab"}
+    assert seen["a"]["args_seen"] == ["--out-dir", str(work / "a-1")] and seen["a"]["variant"] is None
+    assert seen["b"]["args_seen"] == ["--out-dir", str(work / "b-1"), "--inductor-cache=shared"]
+    assert seen["b"]["variant"] == "compile_threads_1"
+    runs = json.loads((work / "runs.json").read_text())["runs"]
+    assert runs[1]["extra_args"] == ["--inductor-cache=shared"] and runs[1]["extra_env"] == "AB_VARIANT=compile_threads_1"
+    assert "extra_args" not in runs[0]
+
+
+def test_a_run_with_a_failed_cell_or_an_older_runs_files_does_not_count(tmp_path, capsys):
+    a, half, broken = _tree(tmp_path, "a"), _tree(tmp_path, "half"), _tree(tmp_path, "broken")
+    work = tmp_path / "work"
+    stale = work / "broken-1"
+    stale.mkdir(parents=True)  # what an earlier invocation left: the failing run must not show it
+    (stale / "dflash-throughput-default-whole-step_cpu_torch2.13.0_2026-11-30.json").write_text(json.dumps(
+        {"tokens_per_s_threaded": 1.0, "tokens_per_s_sequential": 1.0, "ratio": 1.0, "host_gil_ms_per_batch": 1.0}))
+    argv = ["--tree", f"a={a}", "--tree", f"half={half}", "--tree", f"broken={broken}", "--reps", "1",
+            "--work", str(work), "--out-dir", str(tmp_path / "out")]
+    assert dflash_ab.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| half-1 | half | a cell failed (no figures) |" in out and "| broken-1 | broken | failed (rc 3) |" in out
+    summary = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    assert list(summary["trees"]) == ["a"]
+
+
+def test_a_run_past_its_timeout_or_its_parent_leaving_is_stopped():
+    import subprocess
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(sleeper)
+    assert dflash_ab.common.wait_or_stop(proc, 0.5) is None and proc.poll() is not None
+    proc = subprocess.Popen(sleeper)
+    real, calls = proc.communicate, []
+
+    def communicate(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise SystemExit(143)  # what exit_on_sigterm raises while the parent waits
+        return real(timeout=timeout)
+
+    proc.communicate = communicate
+    with pytest.raises(SystemExit):
+        dflash_ab.common.wait_or_stop(proc, 30)
+    assert proc.poll() is not None and calls == [30, 60]

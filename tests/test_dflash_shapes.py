@@ -109,9 +109,20 @@ def test_a_shape_too_large_for_the_cache_disk_is_refused_before_drawing(tiny_ass
     assert "error: target shape tiny: its 0.0 GiB of weights do not fit on the disk" in capsys.readouterr().err
 
 
-def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch):
+def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sizes, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
     with pytest.raises(NoRoomToBuild, match=r"target shape tiny: drawing its 0\.0 GiB of weights needs that much free "
                                             r"memory on cpu \(0\.0 GiB free\)"):
         shape_target("tiny", tiny_assets, tmp_path / "cache", device="cpu")
     assert _no_leftovers(tmp_path / "cache")
+
+    # The trainer's command line: one line naming the fix, exit EXIT_BAD_INPUT.
+    monkeypatch.setattr(assets_module, "default_assets", lambda: tiny_assets)
+    monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cli-cache"))
+    monkeypatch.setattr(shapes_module.torch.cuda, "is_available", lambda: False)  # the build draws on the cpu
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+    code = cli.main(["--target-shape", "tiny", "--devices", "cpu", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT, err
+    assert "target shape tiny: drawing its 0.0 GiB of weights needs that much free memory on cpu" in err
