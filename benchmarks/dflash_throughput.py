@@ -51,6 +51,7 @@ from dflash_results import EMPTY, SHARED  # noqa: E402
 import torch  # noqa: E402
 
 from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
+from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
 from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
 
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
@@ -329,8 +330,6 @@ def main(argv=None) -> int:
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
-        from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput
-
         try:
             cfg = make_config(args, run_dir)
         except BadInput as err:  # a shape with no room to build, for one

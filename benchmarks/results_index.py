@@ -78,6 +78,7 @@ def dflash_throughput(data: dict) -> list:
 def dflash_ab(data: dict) -> list:
     """One row per tree: the range of its runs, taken in turns with the other trees on one machine."""
     mode = MODE_NAMES.get(data["graphs"], data["graphs"])
+
     def span(t, key, scale, fmt):
         lo, hi = (format(t[f"{key}_{end}"] / scale, fmt) for end in ("min", "max"))
         return lo if lo == hi else f"{lo} - {hi}"

@@ -144,7 +144,7 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
         model = Qwen3ForCausalLM(config)
     model = model.to(dtype=torch.bfloat16)
     total = sum(p.numel() for p in model.parameters())  # a tied weight appears once
-    _check_room(name, total * 2, out, device)
+    _check_room(name, sum(p.numel() * p.element_size() for p in model.parameters()), out, device)
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
     params = dict(model.named_parameters())
