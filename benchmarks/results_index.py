@@ -147,12 +147,19 @@ def fence_overhead(data: dict) -> list:
             for r in data["rows"]]
 
 
-def _scenario(scenario: str, result: dict) -> Optional[tuple]:
-    if scenario == "many_workers_8_steps_1000":
-        return ("8 training workers on one GPU, 1000 steps",
-                f"{result['together_steps_per_s']:.0f} steps/s against {result['eager_steps_per_s']:.0f} for eager "
-                f"threads; {sum(result['losses_allclose'])} of 8 equal to alone")
-    if scenario == "whole_step_steps_200":
+def scenario_headline(scenario: str, result: dict) -> Optional[tuple]:
+    """The headline of a run of tests/gpu_scenarios.py (its record's tag) or None: 8 training workers
+    on one GPU, or one worker's step by mode; a run that failed says so."""
+    many = re.fullmatch(r"many_workers_8_steps_(\d+)", scenario)
+    if many:
+        config = f"8 training workers on one GPU, {many[1]} steps"
+        if "error" in result:
+            return config, f"failed: {result['error']}"
+        return (config, f"{result['together_steps_per_s']:.0f} steps/s against {result['eager_steps_per_s']:.0f} for eager "
+                        f"threads; {sum(result['losses_allclose'])} of 8 equal to alone")
+    if re.fullmatch(r"whole_step_steps_\d+", scenario):
+        if "error" in result:
+            return "one worker, step p50", f"failed: {result['error']}"
         figure = " / ".join(f"{MODE_NAMES.get(m, m)} {ms:.2f} ms" for m, ms in result["p50_ms"].items())
         if result.get("floor_ms") is not None:
             figure += f"; hand-captured floor {result['floor_ms']:.2f} ms"
@@ -165,7 +172,7 @@ def gpu_scenarios(data: dict) -> list:
     out = []
     for label, phase in data.items():
         for scenario, result in phase.items():
-            row = _scenario(scenario, result)
+            row = scenario_headline(scenario, result)
             if row is not None:
                 out.append((f"{row[0]} ({label.split(' ')[0]})", row[1]))
     return out
@@ -174,7 +181,7 @@ def gpu_scenarios(data: dict) -> list:
 def gpu_scenarios_latest(data: dict) -> list:
     """The headline scenarios, each from the last phase that ran it (phases are in the order they ran)."""
     latest = {scenario: (label, result) for label, phase in data.items() for scenario, result in phase.items()}
-    rows = [(label, _scenario(scenario, result)) for scenario, (label, result) in latest.items()]
+    rows = [(label, scenario_headline(scenario, result)) for scenario, (label, result) in latest.items()]
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 

@@ -39,18 +39,33 @@ def run_json(tag: str, args: list, timeout: float = 580) -> dict:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+    seconds = round(time.perf_counter() - started, 1)
+    lines = proc.stdout.strip().splitlines()
+    printed = lines[-1] if lines and lines[-1].startswith("{") else None
     log_dir = os.environ.get("THREADGRAPH_GPU_LOG")
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         Path(log_dir, f"{tag}.log").write_text(
-            f"rc={proc.returncode} seconds={time.perf_counter() - started:.1f}\n{' '.join(cmd)}\n"
+            f"rc={proc.returncode} seconds={seconds}\n{' '.join(cmd)}\n"
             + proc.stdout + "\n--- stderr ---\n" + proc.stderr[-20000:])
-    lines = proc.stdout.strip().splitlines()
-    printed = lines[-1] if lines and lines[-1].startswith("{") else None
+        _record(Path(log_dir, f"{tag}.json"), tag, args, proc, seconds, printed)
     assert proc.returncode == 0 and printed, (
         f"{tag} exited {proc.returncode} ({'after' if printed else 'without'} printing its result):\n"
         f"{proc.stderr[-4000:]}")
     return json.loads(printed)
+
+
+def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess, seconds: float,
+            printed) -> None:
+    """The run as JSON beside its log, what ``benchmarks/gpu_scenarios_results.py`` collects: its
+    arguments, exit status, seconds and the result it printed (None when it printed none)."""
+    try:
+        result = json.loads(printed) if printed else None
+    except ValueError:
+        result = None
+    stderr = [line for line in proc.stderr.splitlines() if line.strip()]
+    path.write_text(json.dumps({"tag": tag, "args": [str(a) for a in args], "rc": proc.returncode, "seconds": seconds,
+                                "result": result, "last_stderr_line": stderr[-1][:300] if stderr else None}))
 
 
 def scenario(name: str, *args, timeout: float = 580, module: str = "tests.gpu_scenarios") -> dict:

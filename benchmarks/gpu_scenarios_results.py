@@ -1,0 +1,142 @@
+"""The ``gpu-scenarios`` results file, from the records of a GPU test run.
+
+    THREADGRAPH_GPU_LOG=/tmp/gpu-log python -m pytest -m gpu -n 8 --junitxml=/tmp/gpu-log/junit.xml
+    python benchmarks/gpu_scenarios_results.py /tmp/gpu-log --label suite
+
+With THREADGRAPH_GPU_LOG naming a folder, ``tests/gpu_process.py`` writes every scenario run's
+record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
+This script turns the records of ``tests/gpu_scenarios.py``'s scenarios into one phase, named by
+``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
+(a file of that date gets the phase added; a label it already has is refused), and writes the
+file's ``.md``. A run that failed is kept as ``{"error": ...}``; with the junit XML in the folder
+the phase also holds every test's outcome (``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000``
+gives the README's 1000-step figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import results_index  # noqa: E402
+
+MODULE = "tests.gpu_scenarios"
+OUTCOMES = "pytest_outcomes"
+
+
+class NoRecords(SystemExit):
+    """The folder holds no scenario records to collect."""
+
+
+def read_records(folder: Path) -> list[dict]:
+    """The folder's records of tests/gpu_scenarios.py runs, with each file's modification time."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except ValueError as exc:
+            raise SystemExit(f"{path}: not a scenario record ({exc}); give the folder THREADGRAPH_GPU_LOG named")
+        if not isinstance(record, dict) or "tag" not in record or "args" not in record:
+            raise SystemExit(f"{path}: not a scenario record (no tag or args); give the folder THREADGRAPH_GPU_LOG named")
+        if record["args"][:2] == ["-m", MODULE]:
+            records.append(dict(record, mtime=path.stat().st_mtime))
+    if not records:
+        raise NoRecords(f"{folder}: no records of {MODULE} runs; run the GPU tests with THREADGRAPH_GPU_LOG={folder}")
+    return records
+
+
+def entry(record: dict) -> dict:
+    """A record's result, or its failure."""
+    if record["rc"] == 0 and record["result"] is not None:
+        return record["result"]
+    return {"error": f"exit {record['rc']}: {record.get('last_stderr_line') or 'no result printed'}",
+            "seconds": record["seconds"]}
+
+
+def outcomes(junit: Path) -> dict:
+    """Each test of a junit XML: passed, or failed / error / skipped with its message."""
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as exc:
+        raise SystemExit(f"{junit}: not a junit XML ({exc}); pytest's --junitxml writes one")
+    out = {}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        verdict = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        out[name] = "passed" if verdict is None else f"{verdict.tag}: {(verdict.get('message') or '')[:200]}"
+    return out
+
+
+def identity(records: list[dict]) -> tuple[str, str]:
+    """The GPU and torch the scenarios ran on: one of each, or the records are of several runs."""
+    seen = {(r["result"]["gpu"], r["result"]["torch"]) for r in records if r["rc"] == 0 and r["result"]}
+    if len(seen) != 1:
+        raise SystemExit(f"the records name {len(seen)} GPU / torch pairs ({sorted(seen)}): "
+                         "give a folder of one test run whose scenarios measured")
+    return seen.pop()
+
+
+def collect(folder: Path, label: str, out_dir: Path) -> Path:
+    """Add the folder's run as a phase of its day's results file; the file's path."""
+    records = read_records(folder)
+    gpu, torch_version = identity(records)
+    last = datetime.datetime.fromtimestamp(max(r["mtime"] for r in records), datetime.timezone.utc)
+    env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
+    path = out_dir / f"{common.results_stem(env, 'gpu-scenarios')}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if any(name.split(" ")[0] == label for name in data):
+        raise SystemExit(f"{path} already has a phase {label!r}: give another --label")
+    phase = {r["tag"]: entry(r) for r in sorted(records, key=lambda r: r["tag"])}
+    junit = folder / "junit.xml"
+    if junit.exists():
+        phase[OUTCOMES] = outcomes(junit)
+    data[f"{label} ({last:%H:%M} UTC)"] = phase
+    common.write_json(path, data)
+    path.with_suffix(".md").write_text(render(data, env))
+    return path
+
+
+def render(data: dict, env: dict) -> str:
+    lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
+             "Written by `python benchmarks/gpu_scenarios_results.py` from the records of the GPU tests "
+             "(`tests/gpu_scenarios.py`, each scenario in a fresh process); one section per phase, a test run.", ""]
+    for label, phase in data.items():
+        rows = []
+        for tag, result in phase.items():
+            if tag == OUTCOMES:
+                continue
+            headline = results_index.scenario_headline(tag, result)
+            rows.append([tag, result.get("seconds"), result.get("error") or "ran",
+                         f"{headline[0]}: {headline[1]}" if headline else "-"])
+        lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]
+        tests = phase.get(OUTCOMES, {})
+        if tests:
+            passed = sum(v == "passed" for v in tests.values())
+            lines += [f"Tests: {passed} of {len(tests)} passed.", "",
+                      common.markdown_table(["test", "outcome"], list(tests.items())), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
+    p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    if not args.folder.is_dir():
+        p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
+    if not args.label or " " in args.label:
+        p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
+    path = collect(args.folder, args.label, common.results_dir(args.out_dir))
+    print(f"wrote {path} and its .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""benchmarks/gpu_scenarios_results.py: the GPU tests' scenario records (tests/gpu_process.py, with
+THREADGRAPH_GPU_LOG) become a phase of the day's gpu-scenarios results file, its .md and its index
+headlines; failures are kept, not dropped; a folder of no records or of two runs is refused."""
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import gpu_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # as the script runs
+collector = importlib.import_module("gpu_scenarios_results")
+results_index = importlib.import_module("results_index")
+
+NOON = 1764590400  # 2025-12-01 12:00 UTC
+MANY = {"together_steps_per_s": 1600.0, "eager_steps_per_s": 150.0, "losses_allclose": [True] * 8,
+        "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "seconds": 40.0}
+
+
+def record(folder: Path, tag: str, args: list, rc: int = 0, result=None, when: float = NOON) -> None:
+    path = folder / f"{tag}.json"
+    path.write_text(json.dumps({"tag": tag, "args": args, "rc": rc, "seconds": 3.0, "result": result,
+                                "last_stderr_line": None if rc == 0 else "RuntimeError: capture failed"}))
+    os.utime(path, (when, when))
+
+
+def suite(folder: Path) -> Path:
+    folder.mkdir()
+    record(folder, "many_workers_8_steps_200", ["-m", "tests.gpu_scenarios", "many", "--workers", "8", "--steps", "200"],
+           result=MANY)
+    record(folder, "whole_step_steps_200", ["-m", "tests.gpu_scenarios", "whole_step", "--steps", "200"], rc=1)
+    record(folder, "repro_123177_threads_32", ["-m", "tests.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
+           result={"gpu": "NVIDIA H200", "torch": "2.12.0"})  # the fence's own benchmark keeps these
+    (folder / "junit.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu" name="test_many"/>'
+        '<testcase classname="tests.test_gpu" name="test_whole_step"><failure message="exit 1"/></testcase>'
+        '</testsuite></testsuites>')
+    return folder
+
+
+def test_run_json_keeps_a_record_of_each_run_beside_its_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("THREADGRAPH_GPU_LOG", str(tmp_path))
+    assert gpu_process.run_json("ok", ["-c", "print('{\"gpu\": \"G\"}')"]) == {"gpu": "G"}
+    with pytest.raises(AssertionError, match=r"bad exited 3 \(without printing its result\)"):
+        gpu_process.run_json("bad", ["-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
+    ok, bad = (json.loads((tmp_path / f"{tag}.json").read_text()) for tag in ("ok", "bad"))
+    assert (ok["rc"], ok["result"], ok["args"]) == (0, {"gpu": "G"}, ["-c", "print('{\"gpu\": \"G\"}')"])
+    assert (bad["rc"], bad["result"], bad["last_stderr_line"]) == (3, None, "boom")
+    assert (tmp_path / "bad.log").read_text().startswith("rc=3 ")
+
+
+def test_a_run_becomes_a_phase_of_its_days_file_with_failures_and_test_outcomes(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    path = collector.collect(suite(tmp_path / "log"), "suite", out)
+    assert path.name == "gpu-scenarios_nvidia-h200_torch2.11.0_2025-12-01.json"
+    data = json.loads(path.read_text())
+    assert list(data) == ["suite (12:00 UTC)"]
+    phase = data["suite (12:00 UTC)"]
+    assert sorted(phase) == ["many_workers_8_steps_200", "pytest_outcomes", "whole_step_steps_200"]
+    assert phase["many_workers_8_steps_200"] == MANY
+    assert phase["whole_step_steps_200"] == {"error": "exit 1: RuntimeError: capture failed", "seconds": 3.0}
+    assert phase["pytest_outcomes"] == {"tests.test_gpu::test_many": "passed",
+                                        "tests.test_gpu::test_whole_step": "failure: exit 1"}
+    assert results_index.gpu_scenarios(data) == [
+        ("8 training workers on one GPU, 200 steps (suite)", "1600 steps/s against 150 for eager threads; 8 of 8 equal to alone"),
+        ("one worker, step p50 (suite)", "failed: exit 1: RuntimeError: capture failed")]
+    md = path.with_suffix(".md").read_text()
+    assert "Tests: 1 of 2 passed." in md and "1600 steps/s against 150" in md
+
+
+def test_a_second_run_adds_a_phase_and_a_label_it_has_is_refused(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    log = suite(tmp_path / "log")
+    collector.collect(log, "suite", out)
+    with pytest.raises(SystemExit, match="already has a phase 'suite': give another --label"):
+        collector.collect(log, "suite", out)
+    path = collector.collect(log, "recheck", out)
+    assert list(json.loads(path.read_text())) == ["suite (12:00 UTC)", "recheck (12:00 UTC)"]
+
+
+def test_folders_of_no_records_corrupt_records_or_two_runs_are_refused(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(collector.NoRecords, match="no records of tests.gpu_scenarios runs"):
+        collector.collect(empty, "suite", tmp_path)
+    two = suite(tmp_path / "two")
+    other = dict(MANY, torch="2.12.0+cu130")
+    record(two, "many_workers_3_steps_200", ["-m", "tests.gpu_scenarios", "many", "--workers", "3"], result=other)
+    with pytest.raises(SystemExit, match="the records name 2 GPU / torch pairs"):
+        collector.collect(two, "suite", tmp_path)
+    (two / "broken.json").write_text("{")
+    with pytest.raises(SystemExit, match="broken.json: not a scenario record"):
+        collector.collect(two, "suite", tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        collector.main([str(tmp_path / "missing")])
+    assert exit_.value.code == 2 and "no such folder" in capsys.readouterr().err
