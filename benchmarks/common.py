@@ -310,3 +310,17 @@ def compile_phases() -> dict:
     names, values = compile_times(repr="csv", aggregate=True)
     seconds = dict(zip(names, (float(v) for v in values)))
     return {name: round(seconds[name], 2) for name in COMPILE_PHASES if name in seconds}
+
+
+def peak_memory_gib(devices: Sequence[str]) -> dict:
+    """This process's peak memory so far, GiB: each CUDA device's reserved by torch's caching
+    allocator (CUDA graph pools included), and for the cpu the process's peak resident set."""
+    import resource
+
+    out = {}
+    for device in dict.fromkeys(map(str, devices)):
+        if device.startswith("cuda"):
+            out[device] = torch.cuda.max_memory_reserved(torch.device(device)) / 2**30
+        else:  # ru_maxrss is in KiB on Linux
+            out[device] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out

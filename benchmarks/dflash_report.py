@@ -20,14 +20,16 @@ from dflash_results import EMPTY, RESTART, inductor_cache, startup_comparable
 from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 
-def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Optional[dict] = None) -> dict:
+def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Optional[dict] = None,
+             estimate: Optional[dict] = None) -> dict:
     """The figures the README table shows, from both cells.
 
     GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
     seq_len per batch over the busiest device's kernel time per batch (sequential loop, under
     torch.profiler), times the devices. GIL: the sequential loop's host time per batch (perf_counter
     around one batch's Python work, the device synchronised before and after), and the number of GPUs
-    one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch."""
+    one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch.
+    Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run."""
     batch_tokens = cfg.batch_size * cfg.seq_len
     gpu_ms = sequential.get("gpu_ms_per_batch_by_device") or {}
     devices = len(sequential.get("devices") or [None])
@@ -37,6 +39,10 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
            "startup_s_threaded": threaded.get("startup_s"), "startup_s_sequential": sequential.get("startup_s"),
            "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
            "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
+    for name, cell in (("threaded", threaded), ("sequential", sequential)):
+        peaks = cell.get("peak_memory_gib") or {}
+        out[f"peak_memory_gib_{name}"] = max(peaks.values()) if peaks else None
+    out["memory_estimate_gib"] = sum(estimate.values()) if estimate else None
     out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
     out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
                             if startup_comparable(sequential) else None)
@@ -63,7 +69,7 @@ def _div(a, b):
 
 
 def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures: dict,
-           processes: Optional[dict] = None) -> str:
+           processes: Optional[dict] = None, estimate: Optional[dict] = None) -> str:
     drafter_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("drafter") and w["p50_ms"]]
     target_p50 = [w["p50_ms"] for name, w in threaded.get("workers", {}).items() if name.startswith("target") and w["p50_ms"]]
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)
@@ -115,10 +121,21 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         gpu_line,
         f"- host time per batch holding the GIL (sequential loop): {common.fmt(figures['host_gil_ms_per_batch'], 3)} ms; "
         f"GPUs one process could feed before the GIL saturates: {common.fmt(figures['projected_gpus_per_process'], 1)}",
+        memory_line(env, figures, estimate),
         "", *startup_lines(threaded, sequential, figures),
         "", "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
     ]
     return "\n".join(lines)
+
+
+def memory_line(env: dict, figures: dict, estimate: Optional[dict]) -> str:
+    """Each cell's peak memory on its busiest device against the trainer's estimate, by part."""
+    what = "reserved by torch's allocator" if env["gpu"] else "the process's peak resident set"
+    gib = (lambda v: "-" if v is None else f"{v:.3g}")
+    parts = f" ({', '.join(f'{k} {gib(v)}' for k, v in estimate.items())})" if estimate else ""
+    return (f"- peak memory a device, GiB ({what}): threaded {gib(figures.get('peak_memory_gib_threaded'))}, "
+            f"sequential {gib(figures.get('peak_memory_gib_sequential'))}; the trainer's estimate for the threaded "
+            f"run {gib(figures.get('memory_estimate_gib'))}{parts}")
 
 
 def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
@@ -158,8 +175,9 @@ def rerender(path: Path) -> None:
     except (KeyError, TypeError, ValueError) as exc:
         raise SystemExit(f"{path}: not a dflash_throughput results file this version can re-render "
                          f"(written by an older one?): {type(exc).__name__}: {exc}")
-    figures = headline(cfg, *cells, env["gpu"] is not None, data.get("processes"))
-    text = report(env, cfg, shape, *cells, figures, data.get("processes"))
+    estimate = data.get("memory_estimate_gib_by_part")
+    figures = headline(cfg, *cells, env["gpu"] is not None, data.get("processes"), estimate)
+    text = report(env, cfg, shape, *cells, figures, data.get("processes"), estimate)
     common.write_json(path, {**data, **figures})
     path.with_suffix(".md").write_text(text)
 

@@ -28,7 +28,10 @@ error row and the other still runs, and by default (``--inductor-cache per-cell`
 empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR``): both startups are a first run's, neither
 reuses the other's compiled kernels. ``--inductor-cache shared`` gives both cells one empty
 cache, so the sequential cell reuses the threaded cell's kernels: a shorter run whose sequential
-startup is a restart's, labelled so in the report. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``).
+startup is a restart's, labelled so in the report. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``)
+and its peak memory a device (``peak_memory_gib``: reserved by torch's allocator on a GPU, the
+process's resident set on a CPU), set beside the trainer's own estimate, the figure it refuses a
+run on (``memory_estimate_gib``, by part in ``memory_estimate_gib_by_part``).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def run_threaded(cfg) -> dict:
         "workers": results.get("workers", {}),
         "build_s": results.get("build_s"),
         "compile_phases_s": common.compile_phases(),
+        "peak_memory_gib": common.peak_memory_gib(cfg.device_list),
     }
 
 
@@ -196,6 +200,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
         "drafter_step_p90_ms": common.p90(step_timer.ms),
+        "peak_memory_gib": common.peak_memory_gib(parts.devices),
     }
 
 
@@ -335,6 +340,7 @@ def main(argv=None) -> int:
         except BadInput as err:  # a shape with no room to build, for one
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        estimate = memory_estimate_gib(cfg)  # before the cells: a failure here loses no measurement
         results = {}
         shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
         for name in ("threaded", "sequential", *(("processes",) if args.processes else ())):
@@ -343,10 +349,10 @@ def main(argv=None) -> int:
                              if name == "processes" else run_cell_subprocess(args, name, cfg, shared))
             results[name]["inductor_cache"] = EMPTY if name == "threaded" or not shared else SHARED
     figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
-                                     results.get("processes"))
+                                     results.get("processes"), estimate)
     shape = target_label(args)
     text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures,
-                                results.get("processes"))
+                                results.get("processes"), estimate)
     print(text)
     out = common.results_dir(args.out_dir)
     stem = common.results_stem(env, theme(args))
@@ -354,10 +360,27 @@ def main(argv=None) -> int:
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
                                              "shape": shape, "graphs": graphs(args),
                                              "target_params": _target_params(args),
+                                             "memory_estimate_gib_by_part": estimate,
                                              **results, **figures})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
+
+
+def memory_estimate_gib(cfg) -> dict:
+    """The trainer's own estimate of what the threaded run needs on each device, GiB by part
+    (``sizes.per_device``, the figure it refuses a run on): set beside the cells' measured peaks."""
+    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.pipeline import resolve_inputs
+    from examples.dflash_trainer.policy import ExecutionPolicy
+    from examples.dflash_trainer.target import TargetSource
+
+    devices = cfg.device_list
+    policy = ExecutionPolicy.resolve(cfg, devices)
+    shape = TargetSource(resolve_inputs(cfg)[0], cfg.num_feature_layers, policy.target_dtype).shape()
+    parts = sizes.per_device(cfg, shape.config, sum(p.numel() for p in shape.model.parameters()),
+                             policy.target_dtype, devices)
+    return {k: v / sizes.GiB for k, v in parts.items()}
 
 
 def _target_params(args) -> int:

@@ -106,6 +106,14 @@ def test_dflash_throughput_quick(runs):
     assert data["host_gil_ms_per_batch"] > 0 and data["sequential"]["host_probe_batches"] == 5
     assert data["gpu_bound_tokens_per_s"] is None and "no CUDA" in data["gpu_bound_reason"]
     assert data["projected_gpus_per_process"] is None and data["ratio_threaded_to_gpu_bound"] is None
+    # peak memory: each cell's own process (its resident set on a CPU), beside the trainer's estimate
+    for name in ("threaded", "sequential"):
+        assert list(data[name]["peak_memory_gib"]) == ["cpu"]
+        assert data[f"peak_memory_gib_{name}"] == data[name]["peak_memory_gib"]["cpu"] > 0.05
+    parts = data["memory_estimate_gib_by_part"]
+    assert set(parts) == {"weights", "drafter_training", "target_forward", "hand_off", "drafter_step"}
+    assert data["memory_estimate_gib"] == pytest.approx(sum(parts.values())) and parts["weights"] > 0
+    assert "- peak memory a device, GiB (the process's peak resident set): threaded " in stdout
     assert _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.md").exists()
     ranks = data["processes"]
     assert "error" not in ranks and ranks["processes"] == 2 and ranks["devices"] == ["cpu", "cpu"], ranks

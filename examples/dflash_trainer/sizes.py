@@ -80,16 +80,23 @@ def free_bytes(device: str) -> Optional[int]:
         return None
 
 
-def check(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype, devices: list[str]) -> dict:
-    """Refuse (TooLarge) or warn before the run starts; returns the estimate by part."""
-    share = max(1, len(set(devices)))  # workers spread over the devices
+def per_device(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype,
+               devices: list[str]) -> dict[str, float]:
+    """Bytes each of the run's devices needs, by part (the workers spread over the devices)."""
+    share = max(1, len(set(devices)))
     parts = estimate_bytes(config, model_config, num_params, torch.empty((), dtype=dtype).element_size(), share)
-    need = sum(parts.values()) / share
+    return {k: v / share for k, v in parts.items()}
+
+
+def check(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype, devices: list[str]) -> dict:
+    """Refuse (TooLarge) or warn before the run starts; returns the per-device estimate by part."""
+    parts = per_device(config, model_config, num_params, dtype, devices)
+    need = sum(parts.values())
     for device in dict.fromkeys(devices):
         free = free_bytes(device)
         if free is None:
             continue
-        detail = ", ".join(f"{k} {v / share / GiB:.1f}" for k, v in parts.items())
+        detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items())
         if need > free:
             raise TooLarge(f"this run needs about {need / GiB:.1f} GiB on {device} ({detail} GiB) but "
                            f"{free / GiB:.1f} GiB is free; lower --batch-size (now {config.batch_size}), "
