@@ -34,6 +34,8 @@ STATE = "state.pt"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step_(\d{8})")
+# Everything save_checkpoint writes in its root: step directories, their temporary forms and the pointer's.
+_WRITTEN = re.compile(r"(\.tmp_)?step_\d{8}|latest|\.latest\.tmp")
 # Fields that must match between a checkpoint and the run resuming from it. `targets`, `drafters`,
 # `batch_size`, `seed` and the process count (added by the Checkpointer) fix the data order.
 RESUME_KEYS = ("target", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
@@ -133,6 +135,12 @@ def verify_checkpoint(path: str | Path) -> dict:
             raise CheckpointError(f"checkpoint file {file} is corrupt: its SHA-256 differs from the one in "
                                   f"{manifest_file} (damaged or replaced)")
     return manifest
+
+
+def written_by_checkpointer(root: str | Path) -> list[Path]:
+    """The entries of `root` that save_checkpoint wrote; anything else there is someone else's."""
+    root = Path(root)
+    return sorted(p for p in root.iterdir() if _WRITTEN.fullmatch(p.name)) if root.is_dir() else []
 
 
 def step_directories(root: str | Path) -> list[Path]:

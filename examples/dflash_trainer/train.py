@@ -40,8 +40,10 @@ class StopSignals:
     """SIGINT and SIGTERM while a run trains: the first asks the lead to checkpoint at the next
     step boundary and stop (under torchrun every rank agrees on that step, see
     GradientAverager); more signals meanwhile (torchrun sends SIGINT and SIGTERM together) are
-    ignored, so the save is not cut short. Before the first step (setup: nothing to save) the
-    first signal raises KeyboardInterrupt at once. Installed only from the main thread."""
+    ignored, so the save is not cut short. Before the first step (setup: nothing to save) every
+    signal raises KeyboardInterrupt at once: the first stops the workers, which finish the setup
+    call they are in (a model load cannot be cut short), and another one stops waiting for them.
+    Installed only from the main thread."""
 
     def __init__(self) -> None:
         self.lead: Optional[Lead] = None  # set once the workers exist
@@ -61,30 +63,40 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
-        if self.signum is not None:
+        in_setup = self.lead is None or not self.lead.stepping
+        if self.signum is not None and not in_setup:
             log.warning("dflash: %s: already stopping after %s; waiting for the checkpoint", name,
                         signal.Signals(self.signum).name)
             return
+        if in_setup:
+            log.warning("dflash: %s during setup: stopping%s", name, " without waiting for the workers"
+                        if self.signum is not None else "; the workers finish their current setup call first "
+                        "(send it again to stop waiting)")
+            self.signum = self.signum or signum
+            raise Interrupted(None, self.signum)
         self.signum = signum
-        if self.lead is None or not self.lead.stepping:
-            raise Interrupted(None, signum)
         log.warning("dflash: %s: saving a checkpoint at the next step boundary, then stopping", name)
         self.requested.set()
 
 
 def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> dict:
     with StopSignals() as signals:  # from the start: a stop during setup ends the run at once
-        return _train(config, progress, signals)
+        lock = outdir.prepare(config, leader=distributed.rank_env() == 0)
+        try:
+            return _train(config, progress, signals)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> dict:
     began = time.perf_counter()
-    outdir.prepare(config, leader=distributed.rank_env() == 0)
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
     placement = place(config.targets, config.drafters, parts.devices)
     handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
     leader = parts.rank == 0
+    outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
     averager = GradientAverager(config.drafters, stop_requested=signals.requested.is_set, watchdog=watchdog)
     if leader and parts.start_step:
@@ -123,6 +135,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
                 monitor.stop()
         finished = lead.stopped_at is None
     except KeyboardInterrupt as interrupt:  # a signal before the first step, or a caller's
+        group.stop()  # join stops the workers itself; an interrupt while they start has not
         raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT) from interrupt
     except Exception:
         if signals.signum is not None and parts.world > 1:  # a peer that left first, while stopping

@@ -1,0 +1,131 @@
+"""The run directory keeps what is in it: --overwrite deletes only the trainer's files and only once
+the inputs are checked, one run at a time holds a directory, a run that failed before its first
+step blocks nothing, and a second stop signal during a slow setup stops without waiting."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.errors import MissingInput
+from examples.dflash_trainer.outdir import OutDirError, RunLock
+from examples.dflash_trainer.train import train
+
+import test_dflash_train as train_tests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
+
+
+def config(assets, out, **overrides):
+    return train_tests.tiny_config(assets, out, **{"max_steps": 2, "checkpoint_every": 2, **overrides})
+
+
+@pytest.fixture
+def finished(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    train(config(tiny_assets, out))
+    return out
+
+
+def test_overwrite_with_a_bad_input_deletes_nothing(tiny_assets, finished):
+    weights = finished / "checkpoints" / "step_00000002" / "model.safetensors"
+    before, log = weights.read_bytes(), (finished / "metrics.jsonl").read_text()
+    with pytest.raises(MissingInput, match="target directory /no/such/target does not exist"):
+        train(config(tiny_assets, finished, overwrite=True, target="/no/such/target"))
+    assert weights.read_bytes() == before and (finished / "metrics.jsonl").read_text() == log
+
+
+def test_overwrite_deletes_what_the_trainer_wrote_and_nothing_else(tiny_assets, finished):
+    theirs = finished / "checkpoints" / "llama_finetune.bin"
+    theirs.write_bytes(b"someone's weights")
+    (finished / "notes.txt").write_text("keep me")
+    train(config(tiny_assets, finished, overwrite=True, seed=1, max_steps=4, checkpoint_every=4))
+    assert theirs.read_bytes() == b"someone's weights" and (finished / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (finished / "checkpoints").iterdir()) == ["latest", "llama_finetune.bin", "step_00000004"]
+    steps = [json.loads(line)["step"] for line in (finished / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) and steps[-1] == 4
+
+
+def test_a_directory_another_run_holds_is_refused_until_it_ends(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    other = RunLock(out).acquire()  # what a run in another process holds while it trains
+    try:
+        with pytest.raises(OutDirError, match=r"is in use by another run \(pid \d+\); wait for it to end"):
+            train(config(tiny_assets, out))
+        assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    finally:
+        other.release()
+    assert train(config(tiny_assets, out))["total_steps"] == 2
+
+
+def test_a_run_that_failed_before_its_first_step_blocks_nothing(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # what a run that failed in setup leaves
+    assert train(config(tiny_assets, out))["total_steps"] == 2
+
+
+def test_a_log_without_a_checkpoint_says_overwrite_not_resume(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    with pytest.raises(OutDirError, match=r"holds the log of a run that saved no checkpoint \(metrics.jsonl\); pass "
+                                          r"--overwrite to start over there"):
+        train(config(tiny_assets, out))
+
+
+def test_a_file_where_the_checkpoints_go_is_refused_before_any_step(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a directory")
+    with pytest.raises(OutDirError, match="checkpoints is a file, but the run saves its checkpoints in a directory"):
+        train(config(tiny_assets, out))
+    assert not (out / "metrics.jsonl").exists()
+
+
+SLOW_SETUP = textwrap.dedent("""
+    import pathlib, sys, time
+    from examples.dflash_trainer import target, __main__ as cli
+    def load(self, device):  # a target that takes a minute to load
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(60)
+    target.TargetSource.load = load
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
+            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
+            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "2", "--out-dir", str(out)]
+    loading = tmp_path / "loading"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SETUP, str(loading), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not loading.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling for the marker the load writes
+    assert loading.exists(), proc.communicate(timeout=5)[1][-3000:] if proc.poll() is not None else "no load began"
+    time.sleep(1)  # the main thread waits on the workers by now (a signal while it starts them stops at once)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=50)
+    assert time.monotonic() - sent < 40, "the second signal waited for the minute-long load"
+    assert proc.returncode == 143, err[-3000:]
+    assert "SIGTERM during setup: stopping; the workers finish their current setup call first" in err
+    assert "SIGTERM during setup: stopping without waiting for the workers" in err
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
