@@ -1,6 +1,7 @@
 """The run directory keeps what is in it: --overwrite deletes only the trainer's files and only once
 the inputs are checked, one run at a time holds a directory, a run that failed before its first
-step blocks nothing, and a second stop signal during a slow setup stops without waiting."""
+step blocks nothing, a resume onto other data of the same size is refused while the same target
+spelled another way resumes, and a second stop signal during a slow setup stops without waiting."""
 
 import json
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.outdir import OutDirError, RunLock
 from examples.dflash_trainer.train import train
@@ -93,6 +95,21 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_any_step(tiny_assets,
     with pytest.raises(OutDirError, match="checkpoints is a file, but the run saves its checkpoints in a directory"):
         train(config(tiny_assets, out))
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_resume_onto_other_data_of_the_same_size_is_refused(tiny_assets, tmp_path):
+    data, out = tmp_path / "train.jsonl", tmp_path / "run"
+    lines = tiny_assets.train_jsonl.read_text().splitlines()
+    data.write_text("\n".join(lines) + "\n")
+    train(config(tiny_assets, out, data=str(data), max_steps=4))
+    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same samples, another order
+    with pytest.raises(ResumeMismatch, match=r"different settings \{'data_digest': \('[0-9a-f]{16}', '[0-9a-f]{16}'\)\}"):
+        train(config(tiny_assets, out, data=str(data), max_steps=4, resume=True))
+    data.write_text("\n".join(lines) + "\n")
+    target = tiny_assets.target_dir
+    spelled = f"{target}/../{target.name}/"
+    assert train(config(tiny_assets, out, data=str(data), target=spelled, max_steps=4, resume=True))["start_step"] == 2
 
 
 SLOW_SETUP = textwrap.dedent("""

@@ -42,6 +42,9 @@ RESUME_KEYS = ("target", "data", "seq_len", "block_size", "num_anchors", "num_dr
                "batch_size", "targets", "drafters", "seed", "lr", "epochs", "max_steps")
 
 
+PATH_KEYS = ("target", "data")
+
+
 class CheckpointError(BadInput, RuntimeError):
     """A checkpoint file is missing, corrupt or does not fit the model; the message names it."""
 
@@ -246,7 +249,7 @@ class Checkpointer:
         self.directory = Path(directory)
         self.config = config
         mine = config.to_dict()
-        self.fingerprint = {**{k: mine[k] for k in RESUME_KEYS}, **(topology or {})}
+        self.fingerprint = {**{k: _same_path(k, mine[k]) for k in RESUME_KEYS}, **(topology or {})}
         self.resume_from: Optional[Path] = self._resume_path() if config.resume else None
         self.start_step = self._checked_step(self.resume_from) if self.resume_from is not None else 0
         self.saved: Optional[Path] = None  # the newest checkpoint this run wrote
@@ -274,7 +277,7 @@ class Checkpointer:
         state = read_state(path)
         if not saved:  # written by save_checkpoint without a fingerprint: fall back on the saved config
             saved = json.loads(state.get("extra", {}).get("config", "{}"))
-        differ = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k in saved and saved[k] != v}
+        differ = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k in saved and _same_path(k, saved[k]) != v}
         if differ:
             raise ResumeMismatch(f"--resume: checkpoint {path} was written with different settings {differ} (saved, now); "
                                  "resume with the same settings or use a new --out-dir")
@@ -282,6 +285,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint file {path / STATE} is step {state['step']} but {path / MANIFEST} "
                                   f"says {manifest['step']}; {_fix(path.parent, path)}")
         return int(state["step"])
+
+
+def _same_path(key: str, value: Any) -> Any:
+    """A fingerprint's target or data path in one spelling (absolute, links resolved), so the same
+    file named another way resumes; other values as they are."""
+    return os.path.realpath(value) if key in PATH_KEYS and isinstance(value, str) else value
 
 
 def _verified(path: Path) -> dict:

@@ -9,6 +9,7 @@ sequential loop steps the very same components in one thread.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -32,6 +33,19 @@ from .target import SharedTargets, TargetSource
 from .target_stage import TargetStage
 
 log = logging.getLogger("dflash")
+
+DIGEST_ROWS = 4096  # samples a data digest reads, spread evenly: cheap at any size
+
+
+def data_digest(data: TokenData) -> str:
+    """A digest of the tokenized data (its shape, and the tokens and loss masks of DIGEST_ROWS
+    evenly spaced samples) for the checkpoint's fingerprint: a resume onto other data of the same
+    size is refused, without hashing gigabytes at every start."""
+    rows = torch.linspace(0, len(data) - 1, min(len(data), DIGEST_ROWS)).round().long().unique()
+    digest = hashlib.sha256(repr(tuple(data.ids.shape)).encode())
+    digest.update(data.ids[rows].contiguous().numpy().tobytes())
+    digest.update(data.loss_mask[rows].contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Optional[dict]]:
@@ -84,7 +98,7 @@ class Pipeline:
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.
         checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", config,
-                                    topology={"processes": world, "samples": len(data)})
+                                    topology={"processes": world, "samples": len(data), "data_digest": data_digest(data)})
         schedule = Schedule.for_run(config, len(data), world)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
