@@ -112,6 +112,36 @@ def test_a_resume_onto_other_data_of_the_same_size_is_refused(tiny_assets, tmp_p
     assert train(config(tiny_assets, out, data=str(data), target=spelled, max_steps=4, resume=True))["start_step"] == 2
 
 
+def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(tiny_assets, tmp_path, monkeypatch,
+                                                                               capsys):
+    import threading
+
+    from examples.dflash_trainer import __main__ as cli
+    from examples.dflash_trainer import replica
+
+    real, calls = replica.DrafterReplica.forward_backward, []
+
+    def forward_backward(self, batch):
+        if threading.current_thread().name == "drafter-1":
+            calls.append(1)
+            if len(calls) == 4:  # after the step-2 checkpoint
+                raise RuntimeError("injected failure")
+        return real(self, batch)
+
+    monkeypatch.setattr(replica.DrafterReplica, "forward_backward", forward_backward)
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+    out = tmp_path / "run"
+    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
+            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
+            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "8", "--checkpoint-every", "2",
+            "--out-dir", str(out)]
+    assert cli.main(args) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"error: drafter-1 failed: RuntimeError: injected failure; the last checkpoint is "
+                    f"{out / 'checkpoints' / 'step_00000002'}: fix the cause and continue with --resume "
+                    f"(--debug prints the traceback)"), last
+
+
 SLOW_SETUP = textwrap.dedent("""
     import pathlib, sys, time
     from examples.dflash_trainer import target, __main__ as cli

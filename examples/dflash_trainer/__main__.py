@@ -18,6 +18,8 @@ import sys
 import traceback
 import typing
 
+from threadgraph import WorkerError
+
 from .config import CHOICES, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .metrics import format_phases
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {bad}", file=sys.stderr)
             return EXIT_BAD_INPUT
         cause = err.__cause__ or err
-        print(f"error: {type(cause).__name__}: {cause}" + ("" if debug else " (--debug prints the traceback)"),
-              file=sys.stderr)
+        who = f"{err.thread_name} failed: " if isinstance(err, WorkerError) else ""
+        print(f"error: {who}{type(cause).__name__}: {cause}{_resume_hint(config)}"
+              + ("" if debug else " (--debug prints the traceback)"), file=sys.stderr)
         return EXIT_FAILED
     bar.close()
     if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
@@ -123,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _print_summary(results)
     return 0
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """Where a failed run can continue from: its directory's latest checkpoint, if it has one."""
+    from .checkpoint import CheckpointError, latest_checkpoint
+    from .outdir import CHECKPOINTS
+
+    try:
+        latest = latest_checkpoint(os.path.join(config.out_dir, CHECKPOINTS))
+    except (CheckpointError, OSError):  # a damaged one: --resume names the nearest good one itself
+        return "; its checkpoints need a look before --resume"
+    return "" if latest is None else f"; the last checkpoint is {latest}: fix the cause and continue with --resume"
 
 
 def _bad_input(err: BaseException) -> BadInput | None:

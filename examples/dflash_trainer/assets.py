@@ -37,12 +37,15 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["BuildSpec", "DefaultAssets", "default_assets", "default_cache_root"]
+from .errors import BadInput
+
+__all__ = ["BuildSpec", "CacheDirError", "DefaultAssets", "default_assets", "default_cache_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,31 @@ def default_cache_root() -> Path:
     return Path(base).expanduser() / "threadgraph"
 
 
+class CacheDirError(BadInput):
+    """The cache root cannot be created or written; the message names what chose it."""
+
+
+def writable_cache_root(root: Path, cache_dir: str | os.PathLike[str] | None) -> None:
+    """Create ``root`` and check that files can be made in it, before a build writes anything.
+
+    ``cache_dir``: the caller's explicit root, if any (else the environment chose ``root``)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as err:
+        if root.is_file():
+            problem = "is a file, not a directory"
+        else:
+            at = f" at {err.filename}" if err.filename and Path(err.filename) != root else ""
+            problem = f"cannot be written ({err.strerror or type(err).__name__}{at})"
+        if cache_dir is not None:
+            raise CacheDirError(f"cache directory {root} {problem}; pass a writable directory") from None
+        where = (f"{CACHE_ENV} {root}" if os.environ.get(CACHE_ENV)
+                 else f"the default cache {root} ({CACHE_ENV} is unset)")
+        raise CacheDirError(f"{where} {problem}; point {CACHE_ENV} at a writable directory") from None
+
+
 def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool = False,
                    *, spec: BuildSpec | None = None) -> DefaultAssets:
     """Return the default target, tokenizer and data, building them first if missing.
@@ -178,7 +206,7 @@ def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool 
     if not force and _is_current(assets, spec):
         return assets
 
-    root.mkdir(parents=True, exist_ok=True)
+    writable_cache_root(root, cache_dir)
     with exclusive_lock(root / f".{name}.lock"):
         # Another process may have finished the build while we waited for the lock.
         if not force and _is_current(assets, spec):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -27,6 +28,8 @@ from .errors import BadInput
 from .loss import anchor_scores
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 5.0  # a progress line per this much tokenising: a large file is not silent
 
 _FORMATS = ('{"prompt": str, "response": str}, {"messages": [{"role": str, "content": str}, '
             '...]} or {"input_ids": [int, ...], "loss_mask": [0/1, ...]}')
@@ -52,24 +55,44 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; pass a JSONL file ({_FORMATS})")
+    lines = _count_lines(path)
+    logger.info("tokenizing %d lines of %s", lines, path)
     try:
-        with path.open(encoding="utf-8") as lines:
-            return tokenize_lines(lines, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
-                                  vocab_size=vocab_size, pad_id=pad_id)
+        with path.open(encoding="utf-8") as text:
+            return tokenize_lines(text, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
+                                  vocab_size=vocab_size, pad_id=pad_id, total_lines=lines)
     except UnicodeDecodeError as err:
         raise DataError(f"data file {path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a JSONL "
                         f"file ({_FORMATS})") from None
 
 
+def _count_lines(path: Path) -> int:
+    """Lines of the file, counted in binary blocks (well under a second per GB)."""
+    count, last = 0, b"\n"
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
 def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len: int,
-                   vocab_size: int | None = None, pad_id: int | None = None) -> TokenData:
-    """Tokenise JSONL lines (from a file or embedded data); `source` names them in errors."""
+                   vocab_size: int | None = None, pad_id: int | None = None,
+                   total_lines: int | None = None) -> TokenData:
+    """Tokenise JSONL lines (from a file or embedded data); `source` names them in errors, and
+    `total_lines`, where known, in the progress lines."""
     if vocab_size is None and tokenizer is not None:
         vocab_size = len(tokenizer)
     if pad_id is None:
         pad_id = _default_pad_id(tokenizer)
     ids_rows, mask_rows, total = [], [], 0
+    start = time.monotonic()
+    next_report = start + PROGRESS_EVERY_S
+    of = f" of {total_lines}" if total_lines is not None else ""
     for lineno, text in enumerate(lines, start=1):
+        if time.monotonic() >= next_report:  # a clock read costs far less than tokenising a line
+            logger.info("tokenizing %s: %d%s lines done (%.0f s)", source, lineno - 1, of, time.monotonic() - start)
+            next_report = time.monotonic() + PROGRESS_EVERY_S
         if not text.strip():
             continue
         total += 1
@@ -81,8 +104,15 @@ def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len
         pad = seq_len - len(ids)
         ids_rows.append(ids + [pad_id] * pad)
         mask_rows.append(mask + [0] * pad)
+    if time.monotonic() - start >= PROGRESS_EVERY_S:
+        logger.info("tokenized %s: %d samples in %.0f s", source, total, time.monotonic() - start)
     skipped = total - len(ids_rows)
-    if skipped:
+    if ids_rows and skipped > total / 2:  # none usable is refused below
+        logger.warning("skipped %d of %d samples in %s: they have fewer than 2 consecutive loss tokens within "
+                       "the first seq_len=%d tokens (prompt too long or response empty), so the run trains on "
+                       "the remaining %d only; raise --seq-len or shorten the prompts", skipped, total, source,
+                       seq_len, len(ids_rows))
+    elif skipped:
         logger.info("skipped %d of %d samples in %s: fewer than 2 consecutive loss tokens within "
                     "seq_len=%d", skipped, total, source, seq_len)
     if not ids_rows:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .assets import DefaultAssets, default_cache_root, exclusive_lock, remove_leftovers, swap_into_place
+from .assets import (DefaultAssets, default_cache_root, exclusive_lock, remove_leftovers, swap_into_place,
+                     writable_cache_root)
 from .errors import EXIT_BAD_INPUT, BadInput
 
 __all__ = ["SHAPES", "RANDOM_WEIGHTS_WARNING", "NoRoomToBuild", "TargetShape", "qwen3_config", "shape_target"]
@@ -109,7 +110,7 @@ def shape_target(name: str, assets: DefaultAssets, cache_dir: str | os.PathLike[
     final = root / dirname
     if _complete(final):
         return ShapeTarget(final, json.loads((final / _REPORT).read_text()))
-    root.mkdir(parents=True, exist_ok=True)
+    writable_cache_root(root, cache_dir)
     with exclusive_lock(root / f".{dirname}.lock"):
         if not _complete(final):
             remove_leftovers(root, dirname)
@@ -201,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     from .assets import default_assets
 
-    assets = default_assets()
+    try:
+        assets = default_assets()
+    except BadInput as err:  # THREADGRAPH_CACHE is not a writable directory
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     for name in args.names:
         print(f"target shape {name}: building it if it is not cached", flush=True)
         try:
             built = shape_target(name, assets)
-        except NoRoomToBuild as err:
+        except BadInput as err:  # NoRoomToBuild, or a cache directory that cannot be written
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
         print(f"target shape {name}: {built.dir} ({built.report['num_parameters'] / 1e9:.2f}B parameters)")

@@ -7,6 +7,7 @@ Supports HF causal LMs with the Qwen3/Llama layout (`model.model.embed_tokens`,
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from pathlib import Path
@@ -29,7 +30,7 @@ class TargetModel:
         _check_layout(model)
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.layer_ids = target_layer_ids(len(model.model.layers), num_feature_layers)
+        self.layer_ids = _feature_layer_ids(len(model.model.layers), num_feature_layers)
         if mask_token_id is None and tokenizer is not None:
             mask_token_id = choose_mask_token_id(model, tokenizer)
         if mask_token_id is not None and not 0 <= mask_token_id < self.vocab_size:
@@ -44,14 +45,16 @@ class TargetModel:
                         dtype: torch.dtype | None = None,
                         device: str | torch.device | None = None) -> TargetModel:
         """Load model and tokenizer from a local HF directory; never touches the network."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = _checked_dir(path)
-        kwargs = {"local_files_only": True}
+        config = _load_config(path)
+        tokenizer = _load_tokenizer(path)
+        _check_weights(path)
+        kwargs = {"local_files_only": True, "config": config}
         if dtype is not None:
             kwargs["dtype"] = dtype
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if device is not None:
             model = model.to(device)
         return cls(model, tokenizer, num_feature_layers=num_feature_layers)
@@ -59,14 +62,21 @@ class TargetModel:
     @classmethod
     def shape_only(cls, path: str | Path, *, num_feature_layers: int) -> TargetModel:
         """Config, tokenizer, layer choice and mask token without reading the weights: the model
-        is built on the meta device, so this costs no memory whatever the target's size."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        is built on the meta device, so this costs no memory whatever the target's size. It also
+        checks that the weight files exist and that their headers parse, so a bad directory is
+        refused here, before any worker starts, rather than when the workers load the weights."""
+        from transformers import AutoModelForCausalLM
 
         path = _checked_dir(path)
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        config = _load_config(path)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except ValueError as err:  # a config class with no causal-LM model (e.g. an encoder's)
+            raise InputError(f"{path / CONFIG}: {_first_line(err)}; DFlash needs a HF causal LM with the "
+                             f"Qwen3/Llama layout (e.g. Qwen3ForCausalLM, LlamaForCausalLM)") from err
+        tokenizer = _load_tokenizer(path)
+        _check_weights(path)
         return cls(model, tokenizer, num_feature_layers=num_feature_layers)
 
     @property
@@ -200,6 +210,99 @@ def choose_mask_token_id(model: nn.Module, tokenizer: Any) -> int:
         f"tokenizer uses all of them, and it has no spare special token; pass mask_token_id "
         f"explicitly (the paper never adds rows)"
     )
+
+
+CONFIG = "config.json"
+# Files that carry a tokenizer's vocabulary: the fast tokenizer's, then slow tokenizers' (Qwen/GPT-2
+# BPE, BERT WordPiece, SentencePiece). Without any of them transformers builds a one-token tokenizer
+# from config.json instead of failing; tokenizer_config.json holds no vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+# What transformers' from_pretrained loads from a local directory, in its order of preference.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+_RESAVE = "write the directory again with model.save_pretrained() and tokenizer.save_pretrained()"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _load_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    file = path / CONFIG
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(f"{file} is not UTF-8 text; {_RESAVE}") from None
+    except json.JSONDecodeError as err:
+        raise InputError(f"{file} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+                         f"{_RESAVE}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise InputError(f"{file} has no model_type, so it is not a HF model config; {_RESAVE}")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{file} is not a config transformers can read ({_first_line(err)}); {_RESAVE}") from err
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise MissingInput(f"target {path} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); save "
+                           f"the target's tokenizer next to the model with tokenizer.save_pretrained('{path}')")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"target {path}: its tokenizer files do not load ({_first_line(err)}); save the target's "
+                         f"tokenizer again with tokenizer.save_pretrained('{path}')") from err
+
+
+def _check_weights(path: Path) -> None:
+    """The weight files from_pretrained will read exist, and each safetensors header parses
+    (a header read, not a weight read: a truncated or corrupt file is named here)."""
+    name = next((n for n in WEIGHT_FILES if (path / n).is_file()), None)
+    if name is None:
+        raise MissingInput(f"target {path} has no weights (looked for {', '.join(WEIGHT_FILES)}); copy them "
+                           f"next to config.json or {_RESAVE}")
+    files = _shards(path / name) if name.endswith(".index.json") else [path / name]
+    for file in files:
+        if not file.is_file():
+            raise MissingInput(f"{file} is missing but {path / name} lists it; copy every shard of the target "
+                               f"or {_RESAVE}")
+        size = file.stat().st_size
+        if file.name.endswith(".safetensors"):
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                with safe_open(str(file), framework="pt"):
+                    pass
+            except (SafetensorError, OSError) as err:
+                raise InputError(f"{file} is not a readable safetensors file ({_first_line(err)}; {size} bytes): "
+                                 f"it is truncated or corrupt; copy it again or {_RESAVE}") from None
+        elif size == 0:
+            raise InputError(f"{file} is empty; copy it again or {_RESAVE}")
+
+
+def _shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index} is not a shard index (a JSON object whose weight_map names each tensor's "
+                         f"file); {_RESAVE}")
+    return [index.parent / name for name in sorted(set(weight_map.values()))]
+
+
+def _feature_layer_ids(num_layers: int, n: int) -> list[int]:
+    """target_layer_ids, its refusal naming the flag that sets the count."""
+    try:
+        return target_layer_ids(num_layers, n)
+    except ValueError as err:
+        raise InputError(f"--num-target-layers-used {n} (it defaults to --num-draft-layers): {err}") from None
 
 
 def _checked_dir(path: str | Path) -> Path:
