@@ -143,6 +143,8 @@ def test_config_defaults_and_derived_values():
     ({"lr": 0}, "lr must be > 0"),
     ({"warmup_ratio": 1.0}, "warmup_ratio must be >= 0.0 and < 1.0"),
     ({"gamma": -1.0}, "gamma must be > 0"),
+    ({"lr": float("inf")}, "lr must be finite, got inf"),
+    ({"seq_len": 8, "block_size": 16, "num_anchors": 4}, "block_size=16 exceeds seq_len=8: every block would be mostly padding"),
     ({"compile": "max"}, "compile must be one of"),
     ({"dtype": "float16"}, "dtype must be one of"),
     ({"devices": "cuda:0,,cuda:1"}, "empty entry"),

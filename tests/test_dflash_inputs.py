@@ -217,3 +217,17 @@ def test_an_unusable_cache_is_one_line_naming_threadgraph_cache(tiny_assets, tmp
     code = cli.main(["--target-shape", "tiny", "--devices", "cpu", "--out-dir", str(tmp_path / "run")])
     assert code == EXIT_BAD_INPUT
     assert re.search(match, last_error_line(capsys))
+
+
+# -- 6. what a path is, named as it is -----------------------------------------------------------
+
+def test_a_data_directory_an_empty_data_file_and_a_target_file_each_say_what_they_are(target_copy, tmp_path):
+    with pytest.raises(data_module.DataError, match=f"data file {tmp_path} is a directory; pass a JSONL file"):
+        read_jsonl(tmp_path, tokenizer=None, seq_len=8, vocab_size=10)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    with pytest.raises(data_module.DataError, match=r"blank.jsonl holds no samples \(it is empty or blank\)"):
+        read_jsonl(blank, tokenizer=None, seq_len=8, vocab_size=10)
+    weights = target_copy / "model.safetensors"
+    with pytest.raises(InputError, match=f"target {weights} is a file; pass a local HF model directory"):
+        TargetModel.shape_only(weights, num_feature_layers=1)

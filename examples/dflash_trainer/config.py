@@ -7,6 +7,7 @@ CPU; the paper's values are noted next to each field where they differ.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,13 +81,16 @@ class TrainConfig:
         if self.num_anchors > self.seq_len - 1:  # every step computes num_anchors * block_size tokens
             raise ValueError(f"num_anchors={self.num_anchors} exceeds the seq_len={self.seq_len} - 1 positions an anchor "
                              f"can take (the rest would be padding, computed at full cost); lower --num-anchors")
+        if self.block_size > self.seq_len:
+            raise ValueError(f"block_size={self.block_size} exceeds seq_len={self.seq_len}: every block would be mostly "
+                             f"padding; lower --block-size or raise --seq-len")
         if self.num_target_layers_used is not None:
             _check_int("num_target_layers_used", self.num_target_layers_used, minimum=1)
         if self.max_steps is not None:
             _check_int("max_steps", self.max_steps, minimum=1)
         _check_float("lr", self.lr, low=0.0, low_open=True)
         _check_float("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0)
-        _check_float("grad_clip", self.grad_clip, low=0.0, low_open=True)
+        _check_float("grad_clip", self.grad_clip, low=0.0, low_open=True, finite=False)  # inf: no clipping
         _check_float("weight_decay", self.weight_decay, low=0.0)
         if self.gil_switch_interval_ms is not None:
             _check_float("gil_switch_interval_ms", self.gil_switch_interval_ms, low=0.0, high=1000.0, low_open=True)
@@ -107,7 +111,7 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite contradict each other: --resume continues the run in --out-dir, "
                              "--overwrite deletes it; pass one")
-        _check_float("collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True)
+        _check_float("collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True, finite=False)
         for name in ("target", "data", "devices"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -174,9 +178,11 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 
 
 def _check_float(name: str, value: Any, *, low: float, high: float | None = None,
-                 low_open: bool = False) -> None:
+                 low_open: bool = False, finite: bool = True) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if finite and not math.isfinite(value):  # an infinite lr or decay diverges at the first step
+        raise ValueError(f"{name} must be finite, got {value}")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value >= high):
         bound = f"> {low}" if low_open else f">= {low}"

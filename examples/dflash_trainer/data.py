@@ -54,7 +54,8 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
     """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist; pass a JSONL file ({_FORMATS})")
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise DataError(f"data file {path} {problem}; pass a JSONL file ({_FORMATS})")
     lines = _count_lines(path)
     logger.info("tokenizing %d lines of %s", lines, path)
     try:
@@ -115,6 +116,8 @@ def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len
     elif skipped:
         logger.info("skipped %d of %d samples in %s: fewer than 2 consecutive loss tokens within "
                     "seq_len=%d", skipped, total, source, seq_len)
+    if not total:
+        raise DataError(f"{source} holds no samples (it is empty or blank); pass a JSONL file ({_FORMATS})")
     if not ids_rows:
         raise DataError(
             f"{source}: no usable samples ({total} read); each needs at least 2 consecutive loss "

@@ -307,6 +307,9 @@ def _feature_layer_ids(num_layers: int, n: int) -> list[int]:
 
 def _checked_dir(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_file():
+        raise InputError(f"target {path} is a file; pass a local HF model directory (with config.json and weights) "
+                         f"or leave target unset for the embedded default")
     if not path.is_dir():
         raise MissingInput(
             f"target directory {path} does not exist; pass a local HF model directory "
