@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ._doctor import format_report, report
+from ._doctor import format_report, report, write_hazards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,14 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "hazards":
+        if args.write:
+            problem = write_hazards(args.write)
+            if problem:
+                print(problem, file=sys.stderr)
+                return 2
+            return 0
         from ._hazards import markdown
 
-        page = markdown()
-        if args.write:
-            with open(args.write, "w", encoding="utf-8") as out:
-                out.write(page)
-        else:
-            sys.stdout.write(page)
+        sys.stdout.write(markdown())
         return 0
 
     info = report()

@@ -22,15 +22,13 @@ import torch
 
 from ._errors import UnsupportedTorchError
 
-# (import path, attribute) pairs threadgraph relies on; a missing one is reported by name.
+# (import path, attribute) pairs threadgraph reads directly; a missing one is reported by name.
+# The symbols its patches replace are not listed: the registry checks each patch's own targets.
 REQUIRED_SYMBOLS = (
-    ("torch._inductor.cudagraph_trees", "get_obj"),
-    ("torch._inductor.cudagraph_trees", "get_container"),
-    ("torch._inductor.cudagraph_trees", "mark_step_begin"),
+    ("torch._inductor.cudagraph_trees", "local"),
     ("torch._inductor.cudagraph_trees", "MarkStepBox"),
     ("torch._inductor.cudagraph_trees", "CUDAGraphTreeManager"),
-    ("torch._inductor.compile_fx", "cudagraphify"),
-    ("torch._dynamo.eval_frame", "install_generation_tagging_init"),
+    ("torch._dynamo.mutation_guard", "GenerationTracker"),
     ("torch._C", "_stash_obj_in_tls"),
     ("torch._C", "_is_key_in_tls"),
     ("torch._C", "_get_obj_in_tls"),
@@ -74,10 +72,43 @@ def require(module_path: str, attribute: str) -> Any:
         ) from None
 
 
-def check_supported() -> None:
-    """Raise UnsupportedTorchError naming the first missing symbol, if any."""
+def missing_required() -> dict[str, list[str]]:
+    """Each symbol of :data:`REQUIRED_SYMBOLS` this torch lacks -> ``["threadgraph"]`` (its user)."""
+    missing = {}
     for module_path, attribute in REQUIRED_SYMBOLS:
-        require(module_path, attribute)
+        try:
+            present = hasattr(importlib.import_module(module_path), attribute)
+        except ImportError:
+            present = False
+        if not present:
+            missing[f"{module_path}.{attribute}"] = ["threadgraph"]
+    return missing
+
+
+def unsupported_torch(missing: dict[str, list[str]]) -> UnsupportedTorchError:
+    """One error for every symbol this torch lacks (symbol -> the patches, or threadgraph, needing it)."""
+    listed = "; ".join(f"{symbol} (needed by {', '.join(users)})" for symbol, users in sorted(missing.items()))
+    patches = sorted({user for users in missing.values() for user in users} - {"threadgraph"})
+    only_patches = patches and not any("threadgraph" in users for users in missing.values())
+    leave_out = (f" To try it anyway without those patches (their hazards then stay unfixed): "
+                 f"install(exclude={patches!r})." if only_patches else "")
+    verified = ".".join(map(str, NEWEST_VERIFIED))
+    return UnsupportedTorchError(
+        f"threadgraph: torch {torch.__version__} lacks {listed}; nothing was patched (this torch moved or "
+        f"renamed what threadgraph relies on). Use a torch threadgraph supports (2.1 - {verified}) or a "
+        f"threadgraph release that supports this torch, and please report it; `python -m threadgraph doctor` "
+        f"lists what is missing.{leave_out}"
+    )
+
+
+def check_supported(also_missing: dict[str, list[str]] | None = None) -> None:
+    """Raise one UnsupportedTorchError naming every missing symbol: those of
+    :data:`REQUIRED_SYMBOLS` and ``also_missing`` (a patch's targets, from the registry)."""
+    missing = missing_required()
+    for symbol, users in (also_missing or {}).items():
+        missing.setdefault(symbol, []).extend(users)
+    if missing:
+        raise unsupported_torch(missing)
 
 
 def cudagraph_trees() -> ModuleType:

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from . import _compat, _hazards
+from ._errors import UnsupportedTorchError
 from ._patches import patches
 
 _STATUS = {"present": "[x]", "absent": "[ ]", "assumed": "[?]"}
@@ -16,6 +17,10 @@ _STATUS = {"present": "[x]", "absent": "[ ]", "assumed": "[?]"}
 def report() -> dict:
     cuda = torch.cuda.is_available()
     foreign = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    try:
+        hazards, hazards_error = _hazards.report(), None
+    except UnsupportedTorchError as exc:  # the detection needs a symbol this torch lacks: say so, go on
+        hazards, hazards_error = [], str(exc)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -24,8 +29,10 @@ def report() -> dict:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "newest_verified_torch": ".".join(map(str, _compat.NEWEST_VERIFIED)),
         "newer_than_verified": _compat.newer_than_verified(),
-        "hazards": _hazards.report(),
+        "hazards": hazards,
+        "hazards_error": hazards_error,
         "patches": patches(),
+        "missing_symbols": sorted(_compat.missing_required()),
         "other_threads": foreign,
     }
 
@@ -37,6 +44,12 @@ def format_report(info: dict) -> str:
             f"warning: torch {info['torch']} is newer than the newest release threadgraph was verified on "
             f"({info['newest_verified_torch']}); its patches may miss changed code: run the test suite"
         )
+    patch_lacks = sorted({s for p in info["patches"] for s in p["missing"]})
+    if info["missing_symbols"] or patch_lacks:
+        lines.append(
+            f"error: torch {info['torch']} lacks {', '.join(info['missing_symbols'] + patch_lacks)}; install() refuses "
+            "to patch anything on it" + (" (the patches marked 'n/a' below need them)" if patch_lacks else "")
+        )
     lines += [
         f"GPUs: {', '.join(info['gpus']) if info['gpus'] else 'none visible'}",
         "",
@@ -46,12 +59,15 @@ def format_report(info: dict) -> str:
     for h in info["hazards"]:
         addressed = f"patches: {', '.join(h['patches'])}" if h["patches"] else "no patch"
         lines.append(f"  {_STATUS[h['status']]} {h['name']:<{width}}  {addressed}")
-    lines += ["", "patches (install() applies those marked 'applies'):"]
+    if info["hazards_error"]:
+        lines.append(f"  cannot detect them: {info['hazards_error']}")
+    lines += ["", "patches (install() applies those marked 'applies'; 'n/a': this torch lacks the target):"]
     width = max((len(p["name"]) for p in info["patches"]), default=0)
     hazard_width = max((len(p["hazard"]) for p in info["patches"]), default=0)
     for p in info["patches"]:
-        state = "active" if p["active"] else ("applies" if p["applies"] else "not needed")
-        lines.append(f"  {p['name']:<{width}} {state:<10} {p['hazard']:<{hazard_width}} {p['target']}")
+        state = "active" if p["active"] else ("applies" if p["applies"] else "n/a" if p["missing"] else "not needed")
+        lacks = f"  (not applicable: this torch lacks {', '.join(p['missing'])})" if p["missing"] else ""
+        lines.append(f"  {p['name']:<{width}} {state:<10} {p['hazard']:<{hazard_width}} {p['target']}{lacks}")
     if info["other_threads"]:
         lines += [
             "",
@@ -60,3 +76,17 @@ def format_report(info: dict) -> str:
             "  CUDA work reached from C++ belongs in `with threadgraph.outside_captures():`.",
         ]
     return "\n".join(lines)
+
+
+def write_hazards(path: str) -> str | None:
+    """Write the hazard catalogue (docs/hazards.md) to ``path``; returns the one line to show, and
+    exit 2 with, when it cannot be written (a bad path is the user's to fix, not a traceback)."""
+    from ._hazards import markdown
+
+    page = markdown()
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(page)
+    except OSError as exc:
+        return f"threadgraph hazards: cannot write {path}: {exc.strerror or exc}; pass --write a writable file path"
+    return None

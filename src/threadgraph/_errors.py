@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type, args: tuple) -> BaseException:
+    # BaseException.__new__ sets ``args`` without calling __init__, whose keyword-only
+    # attributes come back through __setstate__ (the instance dict).
+    return cls.__new__(cls, *args)
+
 
 class ThreadgraphError(RuntimeError):
-    """Base class of threadgraph's errors."""
+    """Base class of threadgraph's errors. Pickle and copy keep the message and every attribute
+    (multiprocessing and concurrent.futures pickle exceptions), whatever a subclass's __init__ takes."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args), self.__dict__
 
 
 class UnsupportedTorchError(ThreadgraphError):

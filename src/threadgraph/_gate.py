@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -46,7 +47,32 @@ from typing import Iterator
 from ._errors import GateTimeout
 
 log = logging.getLogger("threadgraph")
-DEFAULT_TIMEOUT_S = float(os.environ.get("THREADGRAPH_GATE_TIMEOUT", "600"))
+TIMEOUT_ENV = "THREADGRAPH_GATE_TIMEOUT"
+
+
+def timeout_from_env(default: float = 600.0) -> float:
+    """Seconds from ``THREADGRAPH_GATE_TIMEOUT`` (``default`` when unset).
+
+    A bad value raises at import rather than falling back to the default: the variable is set on
+    purpose, and a silent 600 s instead of the 10 s asked for leaves a stuck job hanging for ten
+    minutes (or, instead of an hour asked for, kills a long capture), found only when it matters.
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"threadgraph: {TIMEOUT_ENV}={raw!r} is not a timeout; it takes a number of seconds greater than 0 "
+            f"(for example 600 or 0.5, no unit). Fix it, or unset it for the default of {default:.0f} s"
+        )
+    return seconds
+
+
+DEFAULT_TIMEOUT_S = timeout_from_env()
 
 
 class DeviceGate:

@@ -22,7 +22,7 @@ import torch
 from . import _compat, _fence, _first_call
 from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
-from ._registry import Patch, Registry
+from ._registry import Patch, Registry, patch_names
 from ._tls import current_worker, doing, ensure_cudagraph_tls, worker_for_current_thread
 
 log = logging.getLogger("threadgraph")
@@ -304,16 +304,30 @@ _registry = Registry(PATCHES)
 GENERATION_PATCHES = frozenset({"worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump"})
 
 
-def install(exclude: frozenset = frozenset()) -> list[str]:
+_EXCLUDE_ENV = "THREADGRAPH_EXCLUDE_PATCHES"
+
+
+def _excluded_by_env() -> frozenset:
+    names = frozenset(name.strip() for name in os.environ.get(_EXCLUDE_ENV, "").split(",") if name.strip())
+    _registry.check_known(names, f" in the environment variable {_EXCLUDE_ENV}={os.environ.get(_EXCLUDE_ENV)!r} "
+                                 "(a comma list of patch names: fix or unset it)")
+    return names
+
+
+def install(exclude: Iterable[str] = frozenset()) -> list[str]:
     """Apply threadgraph's patches (idempotent). Returns the names applied by this call.
 
-    ``exclude`` names patches to leave out (see ``patches()``); meant for experiments and for
-    demonstrating what each patch fixes, not for production. ``THREADGRAPH_EXCLUDE_PATCHES``
-    (a comma list) adds to it, so a benchmark's subprocesses can be run with a patch left out.
+    ``exclude`` names patches to leave out (one name or a collection of them; see ``patches()``);
+    meant for experiments and for demonstrating what each patch fixes, not for production.
+    ``THREADGRAPH_EXCLUDE_PATCHES`` (a comma list) adds to it, so a benchmark's subprocesses can be
+    run with a patch left out. Every symbol to be patched is checked first: on a torch that lacks
+    one, nothing is patched and UnsupportedTorchError names every missing symbol.
     """
-    _compat.check_supported()
-    from_env = {name.strip() for name in os.environ.get("THREADGRAPH_EXCLUDE_PATCHES", "").split(",") if name.strip()}
-    applied = _registry.install(frozenset(exclude) | from_env)
+    exclude = patch_names(exclude, "exclude")
+    _registry.check_known(exclude)
+    exclude |= _excluded_by_env()
+    _compat.check_supported(_registry.missing(exclude))
+    applied = _registry.install(exclude)
     if FENCE_PATCHES & set(applied):
         _compat.refresh_dynamo_rules()
     if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():
@@ -347,12 +361,11 @@ def _trees_exist_in_this_thread() -> bool:
 
 
 def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
-    """Restore the exact original objects (of the patches in ``names`` only, if given). Returns the names removed."""
+    """Restore the exact original objects (of the patches in ``names`` only, if given: one name or a
+    collection of them). Returns the names removed."""
     if names is not None:
-        names = frozenset(names)
-        known = {p["name"] for p in _registry.describe()}
-        if names - known:
-            raise ValueError(f"threadgraph: no patch named {sorted(names - known)}; known: {sorted(known)}")
+        names = patch_names(names, "uninstall")
+        _registry.check_known(names)
     removed = _registry.uninstall(names)
     if FENCE_PATCHES & set(removed):
         _compat.refresh_dynamo_rules()

@@ -11,9 +11,11 @@ import dataclasses
 import importlib
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import wrapt
+
+from . import _compat
 
 log = logging.getLogger("threadgraph")
 
@@ -52,6 +54,19 @@ class Patch:
             owner = getattr(owner, parent)
         return owner, attribute
 
+    def missing(self) -> list[str]:
+        """The targets this torch lacks, as dotted symbols (``module.Owner.attribute``)."""
+        missing = []
+        for target in self.targets():
+            try:
+                owner, attribute = self.owner_and_attribute(target)
+                present = hasattr(owner, attribute)
+            except (ImportError, AttributeError):
+                present = False
+            if not present:
+                missing.append(target.replace(":", "."))
+        return missing
+
     def replacement_for(self, original: Any) -> Any:
         if self.replace is not None:
             return self.replace(original)
@@ -59,6 +74,22 @@ class Patch:
 
 
 _ABSENT = object()  # the attribute was inherited, not set on the owner: uninstall deletes it
+
+
+def patch_names(names: Optional[Iterable[str]], argument: str) -> frozenset:
+    """``names`` as a set of patch names; one string is one name, not its characters."""
+    if names is None:
+        return frozenset()
+    if isinstance(names, str):
+        return frozenset({names})
+    try:
+        names = frozenset(names)
+    except TypeError:
+        raise TypeError(f"threadgraph: {argument} takes a patch name or a list of them, got {names!r}") from None
+    wrong = sorted(repr(n) for n in names if not isinstance(n, str))
+    if wrong:
+        raise TypeError(f"threadgraph: {argument} takes patch names (strings), got {', '.join(wrong)}")
+    return names
 
 
 def _is_threadgraphs(value: Any) -> bool:
@@ -72,58 +103,92 @@ class Registry:
         self._excluded: frozenset = frozenset()  # stays left out until uninstall()
         self._lock = threading.RLock()
 
-    def install(self, exclude: frozenset = frozenset()) -> list[str]:
-        """Apply every patch whose condition holds; returns the names newly applied."""
-        unknown = set(exclude) - set(self._patches)
+    def check_known(self, names: frozenset, source: str = "") -> None:
+        """Raise ValueError for names that are no patch's; ``source`` says where they came from."""
+        unknown = sorted(set(names) - set(self._patches))
         if unknown:
-            raise ValueError(f"threadgraph: no patch named {sorted(unknown)}; known: {sorted(self._patches)}")
-        applied = []
+            raise ValueError(f"threadgraph: no patch named {unknown}{source}; known: {sorted(self._patches)}")
+
+    def missing(self, exclude: Iterable[str] = ()) -> dict[str, list[str]]:
+        """Symbol -> the patches that need it, for each target a patch ``install`` would apply lacks."""
+        exclude = patch_names(exclude, "exclude")
         with self._lock:
-            self._excluded |= frozenset(exclude)
-            for patch in self._patches.values():
-                if patch.name in self._originals or patch.name in self._excluded or not patch.applies():
-                    continue
-                replaced = []
-                for target in patch.targets():
-                    owner, attribute = patch.owner_and_attribute(target)
-                    original = vars(owner).get(attribute, _ABSENT)
-                    # Wrap what the owner holds (a descriptor stays one); an inherited attribute is
-                    # wrapped as it is looked up and set on the owner, shadowing the base's.
-                    current = getattr(owner, attribute) if original is _ABSENT else original
-                    if _is_threadgraphs(current):
+            pending = [p for p in self._patches.values()
+                       if p.name not in self._originals and p.name not in self._excluded | exclude and p.applies()]
+        missing: dict[str, list[str]] = {}
+        for patch in pending:
+            for symbol in patch.missing():
+                missing.setdefault(symbol, []).append(patch.name)
+        return missing
+
+    def install(self, exclude: Iterable[str] = ()) -> list[str]:
+        """Apply every patch whose condition holds; returns the names newly applied.
+
+        Raises UnsupportedTorchError, with nothing replaced, when a target is missing."""
+        exclude = patch_names(exclude, "exclude")
+        self.check_known(exclude)
+        with self._lock:
+            missing = self.missing(exclude)
+            if missing:
+                raise _compat.unsupported_torch(missing)
+            excluded = self._excluded | exclude
+            applied: list[str] = []
+            try:
+                for patch in self._patches.values():
+                    if patch.name in self._originals or patch.name in excluded or not patch.applies():
                         continue
-                    setattr(owner, attribute, patch.replacement_for(current))
-                    replaced.append((owner, attribute, original))
-                    log.debug("threadgraph: patched %s (%s)", target, patch.name)
-                if replaced:
+                    replaced: list[tuple[Any, str, Any]] = []
+                    # Registered before the first replacement, so a failure part-way undoes it too.
                     self._originals[patch.name] = replaced
                     applied.append(patch.name)
+                    for target in patch.targets():
+                        owner, attribute = patch.owner_and_attribute(target)
+                        original = vars(owner).get(attribute, _ABSENT)
+                        # Wrap what the owner holds (a descriptor stays one); an inherited attribute is
+                        # wrapped as it is looked up and set on the owner, shadowing the base's.
+                        current = getattr(owner, attribute) if original is _ABSENT else original
+                        if _is_threadgraphs(current):
+                            continue
+                        setattr(owner, attribute, patch.replacement_for(current))
+                        replaced.append((owner, attribute, original))
+                        log.debug("threadgraph: patched %s (%s)", target, patch.name)
+                    if not replaced:
+                        del self._originals[patch.name]
+                        applied.pop()
+            except BaseException:
+                self._restore(applied)
+                raise
+            self._excluded = excluded
         return applied
 
-    def uninstall(self, names: Optional[frozenset] = None) -> list[str]:
+    def _restore(self, names: list[str]) -> None:
+        for name in reversed(names):
+            for owner, attribute, original in reversed(self._originals.pop(name)):
+                if original is _ABSENT:
+                    delattr(owner, attribute)
+                else:
+                    setattr(owner, attribute, original)
+            log.debug("threadgraph: restored %s", self._patches[name].target)
+
+    def uninstall(self, names: Optional[Iterable[str]] = None) -> list[str]:
         """Put the originals back (of ``names`` only, if given), in reverse order; returns the names removed.
 
         A full uninstall also forgets what ``install(exclude=...)`` left out."""
-        removed = []
+        only = None if names is None else patch_names(names, "uninstall")
         with self._lock:
-            if names is None:
+            if only is None:
                 self._excluded = frozenset()
-            for name in reversed(list(self._originals)):
-                if names is not None and name not in names:
-                    continue
-                for owner, attribute, original in reversed(self._originals.pop(name)):
-                    if original is _ABSENT:
-                        delattr(owner, attribute)
-                    else:
-                        setattr(owner, attribute, original)
-                removed.append(name)
-                log.debug("threadgraph: restored %s", self._patches[name].target)
+            removed = [name for name in reversed(list(self._originals)) if only is None or name in only]
+            self._restore(removed[::-1])
         return removed
 
     def describe(self) -> list[dict[str, Any]]:
+        rows = []
         with self._lock:
-            return [
-                {
+            for p in self._patches.values():
+                condition = p.applies()
+                missing = p.missing() if condition else []
+                rows.append({
                     "name": p.name,
                     "target": p.target,
                     "targets": p.targets(),
@@ -134,8 +199,9 @@ class Registry:
                     "read": p.read,
                     "run": p.run,
                     "changes": p.changes,
-                    "applies": p.applies(),
+                    # A patch whose condition holds but whose target this torch lacks does not apply.
+                    "applies": condition and not missing,
+                    "missing": missing,
                     "active": p.name in self._originals,
-                }
-                for p in self._patches.values()
-            ]
+                })
+        return rows

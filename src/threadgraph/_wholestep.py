@@ -94,6 +94,12 @@ class StepGraph:
         if any(d.type != "cuda" for d in devices) or len(devices) > 1:
             raise CaptureError(f"threadgraph: capture_step inputs must all be on one CUDA device; got {sorted(map(str, devices))}. "
                                "Move them with .to(device) first (CPU tensors cannot be captured)")
+        if not devices and not torch.cuda.is_available():
+            raise CaptureError(
+                f"threadgraph: capture_step needs a CUDA GPU (a whole step is captured as a CUDA graph), but torch "
+                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda}). Run it on a GPU machine, or call "
+                "the step function itself where there is no GPU"
+            )
         device = devices.pop() if devices else torch.device("cuda", torch.cuda.current_device())
         if self._device is None:
             self._device = device
