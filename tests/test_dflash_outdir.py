@@ -171,7 +171,7 @@ def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, 
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=50)
-    assert time.monotonic() - sent < 40, "the second signal waited for the minute-long load"
+    assert time.monotonic() - sent < 15, "the second signal waited for the minute-long load"
     assert proc.returncode == 143, err[-3000:]
     assert "SIGTERM during setup: stopping; the workers finish their current setup call first" in err
     assert "SIGTERM during setup: stopping without waiting for the workers" in err

@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             message = f"stopped by {name}: no checkpoint saved (no step completed yet)"
         print(message, file=sys.stderr)
+        if getattr(interrupt, "forced", False):  # the user asked twice: not even the exit waits for the workers
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(128 + signum)
         return 128 + signum
     except RunFinished as done:
         bar.close()

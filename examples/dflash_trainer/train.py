@@ -31,9 +31,11 @@ class Interrupted(KeyboardInterrupt):
     """SIGINT (Ctrl-C) or SIGTERM stopped the run; ``checkpoint`` is the one saved on the way out,
     or None; ``signum`` the signal; ``step`` the step the run stopped after, if it got that far."""
 
-    def __init__(self, checkpoint: Optional[Path], signum: int = signal.SIGINT, step: Optional[int] = None) -> None:
+    def __init__(self, checkpoint: Optional[Path], signum: int = signal.SIGINT, step: Optional[int] = None,
+                 *, forced: bool = False) -> None:
         super().__init__(checkpoint)
         self.checkpoint, self.signum, self.step = checkpoint, signum, step
+        self.forced = forced  # a second signal during setup: exit without waiting for the workers
 
 
 class StopSignals:
@@ -72,8 +74,8 @@ class StopSignals:
             log.warning("dflash: %s during setup: stopping%s", name, " without waiting for the workers"
                         if self.signum is not None else "; the workers finish their current setup call first "
                         "(send it again to stop waiting)")
-            self.signum = self.signum or signum
-            raise Interrupted(None, self.signum)
+            forced, self.signum = self.signum is not None, self.signum or signum
+            raise Interrupted(None, self.signum, forced=forced)
         self.signum = signum
         log.warning("dflash: %s: saving a checkpoint at the next step boundary, then stopping", name)
         self.requested.set()
@@ -136,7 +138,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
         finished = lead.stopped_at is None
     except KeyboardInterrupt as interrupt:  # a signal before the first step, or a caller's
         group.stop()  # join stops the workers itself; an interrupt while they start has not
-        raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT) from interrupt
+        raise Interrupted(lead.save_on_interrupt(), signals.signum or signal.SIGINT,
+                          forced=getattr(interrupt, "forced", False)) from interrupt
     except Exception:
         if signals.signum is not None and parts.world > 1:  # a peer that left first, while stopping
             log.exception("dflash: while stopping")

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from ._errors import GroupStopped
+from ._errors import GroupStopped, WorkerError
 from ._gate import released
 from ._tls import wait_for_thread_exit
 from ._worker import CompiledWorkerThread, _add_note
@@ -31,6 +31,17 @@ class GroupQueue(queue.Queue):
             self._stopped = True
             self.not_empty.notify_all()
             self.not_full.notify_all()
+            self.all_tasks_done.notify_all()
+
+    def join(self) -> None:
+        """``queue.Queue.join``, woken like ``get()``: a producer waiting for a consumer that failed
+        before its ``task_done()`` raises GroupStopped instead of waiting forever."""
+        with released(), self.all_tasks_done:
+            while self.unfinished_tasks:
+                if self._stopped:
+                    raise GroupStopped("threadgraph: the worker group stopped while this worker waited for its "
+                                       "queue's tasks to be done")
+                self.all_tasks_done.wait()
 
     def _wait(self, condition: threading.Condition, ready: Callable[[], bool], block: bool,
               timeout: Optional[float], empty: type) -> None:
@@ -92,6 +103,7 @@ class WorkerGroup:
         self._first_failure: Optional[CompiledWorkerThread] = None
         self._on_failure: list[Callable[[BaseException], None]] = []
         self._queues: list[GroupQueue] = []
+        self._started = False
         for worker in workers:
             self.add(worker)
 
@@ -103,8 +115,16 @@ class WorkerGroup:
         return q
 
     def add(self, worker: CompiledWorkerThread) -> CompiledWorkerThread:
+        if self._started:
+            raise RuntimeError(f"threadgraph: the group already started; add worker {worker.name} before start(), "
+                               f"or start it in a group of its own")
         if worker.is_alive() or worker.ident is not None:
             raise ValueError(f"threadgraph: worker {worker.name} was already started; add workers before start()")
+        if worker in self.workers:
+            raise ValueError(f"threadgraph: worker {worker.name} is in the group already; a worker is one thread, "
+                             f"added once")
+        if worker._group is not None:
+            raise ValueError(f"threadgraph: worker {worker.name} belongs to another group; a worker is in one group")
         worker._group = self
         self.workers.append(worker)
         return worker
@@ -118,10 +138,21 @@ class WorkerGroup:
         return self._first_failure is not None
 
     def start(self) -> "WorkerGroup":
+        if self._started:
+            raise RuntimeError("threadgraph: the group was started already; a group runs once, make a new one "
+                               "(with new workers) to run again")
+        self._started = True
         with self._setups_done:
             self._setups_left = len(self.workers)
-        for worker in self.workers:
-            worker.start()
+        try:
+            for worker in self.workers:
+                worker.start()
+        except BaseException as exc:  # the started ones would wait for the others' setups forever
+            self._fail_all(exc)
+            for worker in self.workers:
+                if worker.ident is not None:
+                    threading.Thread.join(worker)
+            raise
         return self
 
     def stop(self) -> None:
@@ -146,6 +177,8 @@ class WorkerGroup:
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
+        if not self._started:
+            raise RuntimeError("threadgraph: join() of a group that was never started; call start() first")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for worker in self.workers:
@@ -159,7 +192,7 @@ class WorkerGroup:
             log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
             self._fail_all(KeyboardInterrupt())
             for worker in self.workers:
-                threading.Thread.join(worker)
+                worker._wait_done()  # not Thread.join: the interrupt may have left one reporting itself stopped
                 wait_for_thread_exit(worker)
             raise
         failed = self._first_failure
@@ -176,10 +209,14 @@ class WorkerGroup:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
             self._fail_all(exc)
+            named = isinstance(exc, WorkerError)  # join() raised it, naming every failed worker already
             for worker in self.workers:
                 if worker.ident is not None:
                     threading.Thread.join(worker)
-            return None  # the body's exception propagates
+                    wait_for_thread_exit(worker)
+                    if worker.exception is not None and not named:  # the body's exception carries theirs
+                        _add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
+            return None
         self.join()
 
     def _worker_failed(self, worker: CompiledWorkerThread, error: BaseException) -> None:

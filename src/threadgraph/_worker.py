@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -21,6 +23,33 @@ if TYPE_CHECKING:
     from ._group import WorkerGroup
 
 log = logging.getLogger("threadgraph")
+
+EXIT_WAIT_S = 30.0  # how long interpreter exit waits for workers still running, all together
+_running: "weakref.WeakSet[CompiledWorkerThread]" = weakref.WeakSet()
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, before daemon threads are frozen mid-step (torch can abort the process
+    then), stop the workers still running and wait for them a while, as concurrent.futures does."""
+    workers = [w for w in list(_running) if w.is_alive()]
+    if not workers:
+        return
+    log.warning("threadgraph: the interpreter is exiting with %d worker(s) running (%s); stopping them",
+                len(workers), ", ".join(w.name for w in workers))
+    for worker in workers:
+        worker.stop()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for worker in workers:
+        threading.Thread.join(worker, max(0.0, deadline - time.monotonic()))
+    left = [w.name for w in workers if w.is_alive()]
+    if left:
+        log.error("threadgraph: worker(s) %s did not stop within %.0f s of exit; leaving them", ", ".join(left),
+                  EXIT_WAIT_S)
+
+
+# threading's own exit hook (what concurrent.futures uses) runs before the interpreter stops
+# daemon threads; atexit would run after.
+getattr(threading, "_register_atexit", atexit.register)(_stop_at_exit)
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -72,8 +101,9 @@ class CompiledWorkerThread(threading.Thread):
         daemon: bool = True,
     ) -> None:
         super().__init__(name=name, daemon=daemon)
-        if warmup_steps < 0 or (max_steps is not None and max_steps < 0):
-            raise ValueError("threadgraph: warmup_steps and max_steps must be >= 0")
+        if not _count(warmup_steps) or not (max_steps is None or _count(max_steps)):
+            raise ValueError(f"threadgraph: warmup_steps must be an integer >= 0 and max_steps one or None, got "
+                             f"warmup_steps={warmup_steps!r}, max_steps={max_steps!r}")
         self.device = resolve_device(device)
         install()  # here, in the constructing thread, so it precedes any compile in the worker
         self.warmup_steps = warmup_steps
@@ -81,6 +111,7 @@ class CompiledWorkerThread(threading.Thread):
         self.stats = StepStats()
         self.worker_state = WorkerState(self.name, self.device)
         self._stop_requested = threading.Event()
+        self._done = threading.Event()  # run() returned
         self._exception: Optional[BaseException] = None
         self._phase = "start"
         self._group: Optional["WorkerGroup"] = None
@@ -120,8 +151,15 @@ class CompiledWorkerThread(threading.Thread):
         return state.activity, time.monotonic() - state.activity_since
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for the worker; re-raise its exception as WorkerError (the original as cause)."""
-        super().join(timeout)
+        """Wait for the worker; re-raise its exception as WorkerError (the original as cause).
+        Ctrl-C while waiting stops the worker, waits for it, and re-raises, as a group's join does."""
+        try:
+            super().join(timeout)
+        except KeyboardInterrupt:
+            log.warning("threadgraph: interrupted; stopping worker %s", self.name)
+            self.stop()
+            self._wait_done()
+            raise
         if self.is_alive():
             return
         wait_for_thread_exit(self)
@@ -135,6 +173,19 @@ class CompiledWorkerThread(threading.Thread):
         return gate_for(str(self.device)).shared()
 
     def run(self) -> None:
+        _running.add(self)
+        try:
+            self._run()
+        finally:
+            self._done.set()
+
+    def _wait_done(self) -> None:
+        """Wait until ``run()`` has returned. Unlike ``Thread.join``, whose wait a Ctrl-C can leave
+        reporting a running thread as stopped, this holds after an interrupt too."""
+        if self.ident is not None:
+            self._done.wait()
+
+    def _run(self) -> None:
         started = time.perf_counter()
         timer = StepTimer(self.device)
         error: Optional[BaseException] = None
@@ -161,9 +212,9 @@ class CompiledWorkerThread(threading.Thread):
                 self._phase = "step"
                 state.begin("warmup steps")
                 self._loop(timer, started)
-        except GroupStopped:
-            if not self.stopping:
-                raise  # not this group's wake-up: a bug
+        except GroupStopped as exc:
+            if not self.stopping:  # another group's queue, or one closed by hand: this worker's failure
+                error, failed_in = exc, self._phase
         except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
             error, failed_in = _clear_capture_conflict(exc, self.device), self._phase
         if skipped and error is None:
@@ -173,8 +224,10 @@ class CompiledWorkerThread(threading.Thread):
         try:
             self._phase = "teardown"
             with self.gate():  # CUDA work of this thread, event syncs included, holds the slot
-                self.teardown()
-                self.stats.step_ms = timer.finish()
+                try:
+                    self.stats.step_ms = timer.finish()  # first: a failing teardown keeps the timings
+                finally:
+                    self.teardown()
         except BaseException as exc:
             if error is None:
                 error, failed_in = exc, "teardown"
@@ -208,6 +261,9 @@ class CompiledWorkerThread(threading.Thread):
 
     def _loop(self, timer: StepTimer, started: float) -> None:
         mark_step = torch.compiler.cudagraph_mark_step_begin
+        if self.warmup_steps == 0:
+            with self.gate():
+                self._end_warmup(timer, started)
         while not self._stop_requested.is_set():
             if self.max_steps is not None and self.stats.steps >= self.max_steps:
                 break
@@ -245,6 +301,11 @@ class CompiledWorkerThread(threading.Thread):
             thread_name=self.name,
             device=str(self.device),
         )
+
+
+def _count(value) -> bool:
+    """An integer >= 0 (not a bool, not a float such as 2.5)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _clear_capture_conflict(exc: BaseException, device: torch.device) -> BaseException:

@@ -1,0 +1,170 @@
+"""Lifecycle faults a fault probe found (CPU workers): a failed consumer never hangs a producer in
+``GroupQueue.join()``, a group runs once and each worker is in it once, a stray GroupStopped is a
+failure, a group's with-block waits for and names its workers, warm-up ends even with no warm-up
+steps, a failing teardown keeps the step timings, Ctrl-C in a worker's join stops it, and workers
+still running when the interpreter exits are stopped first."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from threadgraph import CompiledWorkerThread, GroupStopped, WorkerError, WorkerGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stepper(CompiledWorkerThread):
+    """A CPU worker that runs ``body`` each step (by default a tiny matmul)."""
+
+    def __init__(self, name, body=None, **kw):
+        kw.setdefault("max_steps", None)
+        super().__init__("cpu", name=name, **kw)
+        self.body = body
+        self.torn_down = False
+
+    def setup(self):
+        self.model = torch.nn.Linear(4, 4)
+
+    def step(self):
+        if self.body is not None:
+            self.body(self)
+        else:
+            self.model(torch.ones(2, 4)).sum()
+            time.sleep(0.001)
+
+    def teardown(self):
+        self.torn_down = True
+
+
+def test_a_producer_waiting_on_join_wakes_when_its_consumer_fails():
+    group = WorkerGroup()
+    q = group.queue()
+
+    def produce(worker):
+        q.put(1)
+        q.join()
+
+    def consume(worker):
+        q.get()
+        raise ValueError("consumer failed before task_done()")
+
+    group.add(Stepper("producer", produce))
+    group.add(Stepper("consumer", consume))
+    group.start()
+    with pytest.raises(WorkerError, match="consumer.*consumer failed before task_done"):
+        group.join(timeout=20)
+    assert not any(w.is_alive() for w in group.workers)
+
+
+def test_a_group_runs_once_and_holds_each_worker_once():
+    worker = Stepper("w", max_steps=2)
+    with pytest.raises(ValueError, match="worker w is in the group already"):
+        WorkerGroup([worker, worker])
+    group = WorkerGroup([Stepper("a", max_steps=2)])
+    member = Stepper("m", max_steps=2)
+    WorkerGroup([member])
+    with pytest.raises(ValueError, match="worker m belongs to another group"):
+        group.add(member)
+    fresh = WorkerGroup()
+    with pytest.raises(RuntimeError, match="join\\(\\) of a group that was never started; call start\\(\\) first"):
+        fresh.join()
+    group.start()
+    with pytest.raises(RuntimeError, match="the group already started; add worker late before start"):
+        group.add(Stepper("late"))
+    with pytest.raises(RuntimeError, match="the group was started already; a group runs once"):
+        group.start()
+    group.join(timeout=20)  # the second start() changed nothing: the group still finishes
+
+
+def test_a_group_stopped_by_another_groups_queue_is_this_workers_failure():
+    other = WorkerGroup()
+    q = other.queue()
+    worker = Stepper("consumer", lambda w: q.get())
+    worker.start()
+    time.sleep(0.2)
+    q.close()  # the other group stopped
+    with pytest.raises(WorkerError, match="consumer.*failed in step: GroupStopped") as info:
+        worker.join(20)
+    assert isinstance(info.value.__cause__, GroupStopped) and worker.torn_down
+
+
+def test_a_with_block_that_raises_waits_for_its_workers_and_names_their_failures():
+    def fail(worker):
+        raise ValueError("worker boom")
+
+    bad = Stepper("bad", fail)
+    good = Stepper("good")
+    with pytest.raises(KeyError) as info:
+        with WorkerGroup([bad, good]):
+            time.sleep(0.3)
+            raise KeyError("body boom")
+    assert not bad.is_alive() and not good.is_alive() and good.torn_down
+    assert any("worker bad also failed: ValueError('worker boom')" in note
+               for note in getattr(info.value, "__notes__", [])), getattr(info.value, "__notes__", None)
+
+
+def test_no_warmup_steps_still_ends_the_warmup_and_times_every_step():
+    worker = Stepper("w", warmup_steps=0, max_steps=5)
+    worker.start()
+    worker.join(20)
+    assert worker.activity[0] == "finished" and worker.stats.warmup_steps == 0
+    assert len(worker.stats.step_ms) == 5
+
+
+def test_a_failing_teardown_keeps_the_step_timings():
+    class Broken(Stepper):
+        def teardown(self):
+            raise OSError("teardown failed")
+
+    worker = Broken("tb", warmup_steps=2, max_steps=10)
+    worker.start()
+    with pytest.raises(WorkerError, match="failed in teardown: OSError: teardown failed"):
+        worker.join(20)
+    assert len(worker.stats.step_ms) == 8
+
+
+@pytest.mark.parametrize("kw", [{"warmup_steps": "3"}, {"max_steps": 2.5}, {"warmup_steps": -1}])
+def test_step_counts_must_be_integers(kw):
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0 and max_steps one or None"):
+        Stepper("w", **kw)
+
+
+def test_ctrl_c_in_a_workers_join_stops_it():
+    worker = Stepper("w")
+    worker.start()
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))  # a real Ctrl-C wakes a blocked join
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        worker.join()
+    assert not worker.is_alive() and worker.torn_down, (worker.exception, worker.activity, worker.stats.steps)
+
+
+LEFT_RUNNING = textwrap.dedent("""
+    import sys, time, torch, threadgraph
+    class W(threadgraph.CompiledWorkerThread):
+        def step(self):
+            torch.ones(4, 4).sum()
+            time.sleep(0.001)
+        def teardown(self):
+            sys.stdout.write(f"teardown {self.name}\\n")
+    workers = [W("cpu", name=f"w{i}") for i in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(0.3)  # the script ends without stopping or joining them
+""")
+
+
+def test_workers_still_running_at_exit_are_stopped_and_torn_down():
+    proc = subprocess.run([sys.executable, "-c", LEFT_RUNNING], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == [f"teardown w{i}" for i in range(4)]
+    assert "the interpreter is exiting with 4 worker(s) running" in proc.stderr
