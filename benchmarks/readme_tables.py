@@ -43,7 +43,8 @@ HEADLINE_FAMILIES = {"dflash-ab-": results_index.dflash_ab}  # then every theme 
 EMBEDDED_ORDER = ("default", "tiny-assets", "tiny")  # then the published shapes by size (0.6b, ..., 32b)
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
            "GPU-bound tokens/s", "threaded / GPU-bound", "sequential / GPU-bound", "startup s threaded",
-           "startup s sequential", "startup threaded / sequential", "GIL host ms/batch", "GPUs one process feeds", "results")
+           "startup s sequential", "startup threaded / sequential", "GIL host ms/batch", "GPUs one process feeds",
+           "peak GiB threaded (estimate)", "results")
 
 
 def newest_runs(results: Path) -> list[tuple[dict, str]]:
@@ -100,6 +101,14 @@ def _startup_ratio(data: dict) -> str:
     return _num(data.get("startup_ratio"))  # dflash_report.headline's figure
 
 
+def _peak(data: dict) -> str:
+    """The threaded cell's peak memory on its busiest device, with the trainer's estimate beside it."""
+    peak, estimate = data.get("peak_memory_gib_threaded"), data.get("memory_estimate_gib")
+    if peak is None:
+        return "- (not recorded)"
+    return f"{peak:.0f}" + (f" ({estimate:.0f})" if estimate is not None else "")
+
+
 def table(results: Path) -> str:
     runs = newest_runs(results)
     if not runs:
@@ -113,7 +122,7 @@ def table(results: Path) -> str:
                  _num(data.get("gpu_bound_tokens_per_s")), _num(data.get("ratio_threaded_to_gpu_bound")),
                  _num(data.get("ratio_sequential_to_gpu_bound")), _num(data.get("startup_s_threaded"), 1),
                  _startup_sequential(data), _startup_ratio(data), _num(data.get("host_gil_ms_per_batch")),
-                 _num(data.get("projected_gpus_per_process"), 1),
+                 _num(data.get("projected_gpus_per_process"), 1), _peak(data),
                  f"[{name}](benchmarks/results/{name}) ({device}, torch {data['env'].get('torch')})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -131,3 +131,17 @@ def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
     order = [(data["shape"], data["graphs"]) for data, _ in readme_tables.newest_runs(results)]
     assert order == [("default", "whole-step"), ("0.6b", "whole-step"), ("8b", "trees"), ("8b", "whole-step"),
                      ("14b", "whole-step"), ("32b", "whole-step")]
+
+
+def test_the_peak_memory_column_sets_the_measured_peak_beside_the_estimate(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    measured = _result(results, "32b", "trees", "2026-12-01", 7_500.0)
+    data = json.loads((results / measured).read_text())
+    (results / measured).write_text(json.dumps({**data, "peak_memory_gib_threaded": 134.47, "memory_estimate_gib": 109.2}))
+    _result(results, "14b", "trees", "2026-12-01", 16_000.0)  # written before peaks were recorded
+    readme = _readme(tmp_path)
+    assert readme_tables.main(["--results", str(results), "--readme", str(readme)]) == 0
+    rows = {line.split(" | ")[0]: line for line in readme.read_text().splitlines() if "shape, random init" in line}
+    assert "| 6.6 | 134 (109) | [" in rows["| Qwen3-32B shape, random init (0.44B params)"]
+    assert "| 6.6 | - (not recorded) | [" in rows["| Qwen3-14B shape, random init (0.44B params)"]
