@@ -59,13 +59,14 @@ def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess,
             printed) -> None:
     """The run as JSON beside its log, what ``benchmarks/gpu_scenarios_results.py`` collects: its
     arguments, exit status, seconds and the result it printed (None when it printed none)."""
+    stderr = [line for line in proc.stderr.splitlines() if line.strip()]
+    last = stderr[-1][:300] if stderr else None
     try:
         result = json.loads(printed) if printed else None
-    except ValueError:
-        result = None
-    stderr = [line for line in proc.stderr.splitlines() if line.strip()]
+    except ValueError as exc:  # kept as the run's failure: the collector reports it, run_json fails the test
+        result, last = None, f"its last stdout line is not JSON ({exc})"
     path.write_text(json.dumps({"tag": tag, "args": [str(a) for a in args], "rc": proc.returncode, "seconds": seconds,
-                                "result": result, "last_stderr_line": stderr[-1][:300] if stderr else None}))
+                                "result": result, "last_stderr_line": last}))
 
 
 def scenario(name: str, *args, timeout: float = 580, module: str = "tests.gpu_scenarios") -> dict:

@@ -97,14 +97,17 @@ def test_a_group_stopped_by_another_groups_queue_is_this_workers_failure():
 
 
 def test_a_with_block_that_raises_waits_for_its_workers_and_names_their_failures():
+    failed = threading.Event()
+
     def fail(worker):
+        failed.set()
         raise ValueError("worker boom")
 
     bad = Stepper("bad", fail)
     good = Stepper("good")
     with pytest.raises(KeyError) as info:
         with WorkerGroup([bad, good]):
-            time.sleep(0.3)
+            assert failed.wait(30)
             raise KeyError("body boom")
     assert not bad.is_alive() and not good.is_alive() and good.torn_down
     assert any("worker bad also failed: ValueError('worker boom')" in note
@@ -138,13 +141,19 @@ def test_step_counts_must_be_integers(kw):
 
 
 def test_ctrl_c_in_a_workers_join_stops_it():
-    worker = Stepper("w")
+    # Python's own handler: a shell without job control starts background jobs (CI) with SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    worker = Stepper("w", max_steps=20_000)  # bounded: a join the signal misses ends, and fails below
     worker.start()
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))  # a real Ctrl-C wakes a blocked join
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        worker.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not worker.is_alive() and worker.torn_down, (worker.exception, worker.activity, worker.stats.steps)
+    assert worker.stats.steps < 20_000
 
 
 LEFT_RUNNING = textwrap.dedent("""
@@ -168,3 +177,35 @@ def test_workers_still_running_at_exit_are_stopped_and_torn_down():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.splitlines()) == [f"teardown w{i}" for i in range(4)]
     assert "the interpreter is exiting with 4 worker(s) running" in proc.stderr
+
+
+AT_EXIT_MIXED = textwrap.dedent("""
+    import sys, time, torch, threadgraph
+    class W(threadgraph.CompiledWorkerThread):
+        def step(self):
+            torch.ones(4, 4).sum()
+            time.sleep(0.001)
+        def teardown(self):
+            sys.stdout.write(f"teardown {self.name} after {self.stats.steps} steps\\n")
+    group = threadgraph.WorkerGroup()
+    q = group.queue()
+    class Consumer(W):
+        def step(self):
+            q.get()  # nothing ever comes: only the group's stop wakes it
+    group.add(Consumer("cpu", name="consumer"))
+    group.start()
+    finisher = W("cpu", name="finisher", daemon=False, max_steps=200)  # Python waits for it: left to finish
+    finisher.start()
+    time.sleep(0.3)
+""")
+
+
+def test_at_exit_a_worker_blocked_on_its_groups_queue_wakes_and_a_non_daemon_one_finishes():
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT_MIXED], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.monotonic() - started < 25, "the exit waited out the consumer instead of waking it"
+    assert "teardown finisher after 200 steps" in proc.stdout and "teardown consumer" in proc.stdout, proc.stdout
+    assert "exiting with 1 worker(s) running (consumer)" in proc.stderr
+

@@ -104,6 +104,7 @@ class WorkerGroup:
         self._on_failure: list[Callable[[BaseException], None]] = []
         self._queues: list[GroupQueue] = []
         self._started = False
+        self._start_error: Optional[BaseException] = None
         for worker in workers:
             self.add(worker)
 
@@ -148,10 +149,10 @@ class WorkerGroup:
             for worker in self.workers:
                 worker.start()
         except BaseException as exc:  # the started ones would wait for the others' setups forever
+            self._start_error = exc
             self._fail_all(exc)
             for worker in self.workers:
-                if worker.ident is not None:
-                    threading.Thread.join(worker)
+                worker._wait_gone()
             raise
         return self
 
@@ -179,6 +180,9 @@ class WorkerGroup:
         """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
         if not self._started:
             raise RuntimeError("threadgraph: join() of a group that was never started; call start() first")
+        if self._start_error is not None:
+            raise RuntimeError(f"threadgraph: the group failed to start ({self._start_error!r}); its workers "
+                               f"were stopped") from self._start_error
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for worker in self.workers:
@@ -192,8 +196,7 @@ class WorkerGroup:
             log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
             self._fail_all(KeyboardInterrupt())
             for worker in self.workers:
-                worker._wait_done()  # not Thread.join: the interrupt may have left one reporting itself stopped
-                wait_for_thread_exit(worker)
+                worker._wait_gone()  # not Thread.join: the interrupt may have left one reporting itself stopped
             raise
         failed = self._first_failure
         if failed is not None:
@@ -211,11 +214,9 @@ class WorkerGroup:
             self._fail_all(exc)
             named = isinstance(exc, WorkerError)  # join() raised it, naming every failed worker already
             for worker in self.workers:
-                if worker.ident is not None:
-                    threading.Thread.join(worker)
-                    wait_for_thread_exit(worker)
-                    if worker.exception is not None and not named:  # the body's exception carries theirs
-                        _add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
+                worker._wait_gone()
+                if worker.exception is not None and not named:  # the body's exception carries theirs
+                    _add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
             return None
         self.join()
 

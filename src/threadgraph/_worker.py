@@ -30,18 +30,17 @@ _running: "weakref.WeakSet[CompiledWorkerThread]" = weakref.WeakSet()
 
 def _stop_at_exit() -> None:
     """At interpreter exit, before daemon threads are frozen mid-step (torch can abort the process
-    then), stop the workers still running and wait for them a while, as concurrent.futures does."""
-    workers = [w for w in list(_running) if w.is_alive()]
+    then), stop the daemon workers still running and wait for them a while, as concurrent.futures
+    does. Non-daemon workers are left to finish: Python waits for them itself."""
+    workers = [w for w in list(_running) if w.daemon and w.is_alive()]
     if not workers:
         return
     log.warning("threadgraph: the interpreter is exiting with %d worker(s) running (%s); stopping them",
                 len(workers), ", ".join(w.name for w in workers))
     for worker in workers:
-        worker.stop()
+        worker._stop_with_group()
     deadline = time.monotonic() + EXIT_WAIT_S
-    for worker in workers:
-        threading.Thread.join(worker, max(0.0, deadline - time.monotonic()))
-    left = [w.name for w in workers if w.is_alive()]
+    left = [w.name for w in workers if not w._wait_gone(max(0.0, deadline - time.monotonic()))]
     if left:
         log.error("threadgraph: worker(s) %s did not stop within %.0f s of exit; leaving them", ", ".join(left),
                   EXIT_WAIT_S)
@@ -157,8 +156,8 @@ class CompiledWorkerThread(threading.Thread):
             super().join(timeout)
         except KeyboardInterrupt:
             log.warning("threadgraph: interrupted; stopping worker %s", self.name)
-            self.stop()
-            self._wait_done()
+            self._stop_with_group()
+            self._wait_gone()
             raise
         if self.is_alive():
             return
@@ -179,11 +178,23 @@ class CompiledWorkerThread(threading.Thread):
         finally:
             self._done.set()
 
-    def _wait_done(self) -> None:
-        """Wait until ``run()`` has returned. Unlike ``Thread.join``, whose wait a Ctrl-C can leave
-        reporting a running thread as stopped, this holds after an interrupt too."""
-        if self.ident is not None:
-            self._done.wait()
+    def _wait_gone(self, timeout: Optional[float] = None) -> bool:
+        """Wait until ``run()`` has returned and the OS thread is gone (hazard
+        stash-released-at-thread-exit); whether it is. Unlike ``Thread.join``, whose wait a Ctrl-C
+        can leave reporting a running thread as stopped, this holds after an interrupt too."""
+        if self.ident is None:
+            return True
+        if not self._done.wait(timeout):
+            return False
+        wait_for_thread_exit(self)
+        return True
+
+    def _stop_with_group(self) -> None:
+        """Stop this worker and, when it has one, its group: the group's queues close too, waking
+        a worker blocked on one."""
+        if self._group is not None:
+            self._group.stop()
+        self.stop()
 
     def _run(self) -> None:
         started = time.perf_counter()
@@ -224,10 +235,16 @@ class CompiledWorkerThread(threading.Thread):
         try:
             self._phase = "teardown"
             with self.gate():  # CUDA work of this thread, event syncs included, holds the slot
+                # teardown first (it may be what unblocks a stuck kernel, an aborted communicator
+                # say); the timings are kept when it fails
+                torn = None
                 try:
-                    self.stats.step_ms = timer.finish()  # first: a failing teardown keeps the timings
-                finally:
                     self.teardown()
+                except BaseException as exc:
+                    torn = exc
+                self.stats.step_ms = timer.finish()
+                if torn is not None:
+                    raise torn
         except BaseException as exc:
             if error is None:
                 error, failed_in = exc, "teardown"
