@@ -142,6 +142,28 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
                     f"(--debug prints the traceback)"), last
 
 
+def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_assets, tmp_path, monkeypatch, caplog):
+    from collections import namedtuple
+
+    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.target import TargetModel
+
+    cfg = config(tiny_assets, tmp_path / "run", max_steps=4, checkpoint_every=1)
+    shape = TargetModel.shape_only(tiny_assets.target_dir, num_feature_layers=cfg.num_feature_layers)
+    one = sizes.trainable_drafter_params(cfg, shape.config, sum(p.numel() for p in shape.model.parameters())) \
+        * sizes.CHECKPOINT_BYTES
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 9 * one, one // 2))
+    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about [\d.]+ GiB but the disk of "
+                                             r"--out-dir .* has [\d.]+ GiB free; free some space or pass an --out-dir"):
+        train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))
+    with caplog.at_level("WARNING", logger="dflash"):
+        train(cfg)  # room for two of its five checkpoints: it runs, warned
+    assert "the run's 5 checkpoints need about" in caplog.text
+
+
 SLOW_SETUP = textwrap.dedent("""
     import pathlib, sys, time
     from examples.dflash_trainer import target, __main__ as cli

@@ -92,7 +92,8 @@ class Pipeline:
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()
-        sizes.check(config, shape.config, sum(p.numel() for p in shape.model.parameters()), policy.target_dtype, devices)
+        num_params = sum(p.numel() for p in shape.model.parameters())
+        sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
         data = read_jsonl(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size)
         rank, world = distributed.rank_and_world()
         # The data order follows from the config's seed, batch size, targets and drafters, and from
@@ -100,6 +101,9 @@ class Pipeline:
         checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", config,
                                     topology={"processes": world, "samples": len(data), "data_digest": data_digest(data)})
         schedule = Schedule.for_run(config, len(data), world)
+        if rank == 0:  # the leader saves: every checkpoint_every steps and after the last
+            saves = (schedule.total_steps // config.checkpoint_every if config.checkpoint_every else 0) + 1
+            sizes.check_checkpoint_room(config, shape.config, num_params, saves)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
         return cls(config=config, devices=devices, policy=policy, rank=rank, world=world,

@@ -6,13 +6,17 @@ was calibrated on): one copy of the target's weights per device (pipeline.Shared
 drafter's trainable layers with their gradient and AdamW state, each target's forward pass
 activations, the hand-off items in flight, and per drafter step its logits over the vocabulary
 (the largest tensors: block tokens x vocab, several live at once through the loss and its
-backward). Above the free memory the run is refused; above half of it, a warning.
+backward). Above the free memory the run is refused; above half of it, a warning. And the disk of
+``--out-dir`` must hold a checkpoint (``check_checkpoint_room``): the last one is written after the
+final step, where a full disk would lose the whole run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -28,6 +32,7 @@ GiB = 1 << 30
 LOGITS_COPIES = 6
 ACTIVATION_COPIES = 4  # per target layer and token, of the hidden and MLP widths, in a forward
 TRAINED_BYTES = 16  # per trainable drafter parameter: fp32 weight, gradient and two AdamW moments
+CHECKPOINT_BYTES = 12  # per trainable drafter parameter in a checkpoint: fp32 weight and two AdamW moments
 
 
 class TooLarge(BadInput):
@@ -44,9 +49,7 @@ def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtyp
     b, s = config.batch_size, config.seq_len
     block_tokens = b * config.num_anchors * config.block_size
     item = b * s * hidden * config.num_feature_layers * dtype_bytes
-    embeddings = vocab * hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
-    drafter_params = (max(0, num_params - embeddings) // max(1, layers) * config.num_draft_layers
-                      + config.num_feature_layers * hidden * hidden)
+    drafter_params = trainable_drafter_params(config, model_config, num_params)
     return {
         "weights": num_params * dtype_bytes * min(devices, config.targets + config.drafters),
         "drafter_training": config.drafters * drafter_params * TRAINED_BYTES,
@@ -58,6 +61,34 @@ def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtyp
                                                           + ACTIVATION_COPIES * (hidden + s) * dtype_bytes
                                                           * (config.num_draft_layers + 1)),
     }
+
+
+def trainable_drafter_params(config: TrainConfig, model_config: Any, num_params: int) -> int:
+    """A drafter's trainable parameters: its layers, each the size of one target layer, and the
+    projection of the target's features (it borrows the target's embedding and LM head)."""
+    hidden, vocab = model_config.hidden_size, model_config.vocab_size
+    embeddings = vocab * hidden * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
+    return (max(0, num_params - embeddings) // max(1, model_config.num_hidden_layers) * config.num_draft_layers
+            + config.num_feature_layers * hidden * hidden)
+
+
+def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: int, saves: int) -> None:
+    """Refuse a run whose checkpoint cannot fit on the disk of ``--out-dir`` (the last one is
+    written after the final step: found there, the whole run would be lost), and warn when all
+    ``saves`` of them would not. A checkpoint holds the drafter's fp32 weights and AdamW's two moments."""
+    one = trainable_drafter_params(config, model_config, num_params) * CHECKPOINT_BYTES
+    out = Path(config.out_dir)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is None or saves < 1:
+        return
+    free = shutil.disk_usage(existing).free
+    if one > free:
+        raise TooLarge(f"a checkpoint of this drafter needs about {one / GiB:.1f} GiB but the disk of --out-dir "
+                       f"{out} has {free / GiB:.1f} GiB free; free some space or pass an --out-dir on a larger disk")
+    if one * saves > free:
+        log.warning("dflash: the run's %d checkpoints need about %.1f GiB, more than the %.1f GiB free on the disk of "
+                    "%s; raise --checkpoint-every or make room before they are written", saves, one * saves / GiB,
+                    free / GiB, out)
 
 
 def free_bytes(device: str) -> Optional[int]:
