@@ -101,16 +101,6 @@ def unsupported_torch(missing: dict[str, list[str]]) -> UnsupportedTorchError:
     )
 
 
-def check_supported(also_missing: dict[str, list[str]] | None = None) -> None:
-    """Raise one UnsupportedTorchError naming every missing symbol: those of
-    :data:`REQUIRED_SYMBOLS` and ``also_missing`` (a patch's targets, from the registry)."""
-    missing = missing_required()
-    for symbol, users in (also_missing or {}).items():
-        missing.setdefault(symbol, []).extend(users)
-    if missing:
-        raise unsupported_torch(missing)
-
-
 def cudagraph_trees() -> ModuleType:
     return importlib.import_module("torch._inductor.cudagraph_trees")
 

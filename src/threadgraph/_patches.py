@@ -323,11 +323,8 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
     run with a patch left out. Every symbol to be patched is checked first: on a torch that lacks
     one, nothing is patched and UnsupportedTorchError names every missing symbol.
     """
-    exclude = patch_names(exclude, "exclude")
-    _registry.check_known(exclude)
-    exclude |= _excluded_by_env()
-    _compat.check_supported(_registry.missing(exclude))
-    applied = _registry.install(exclude)
+    exclude = patch_names(exclude, "exclude") | _excluded_by_env()
+    applied = _registry.install(exclude, also_missing=_compat.missing_required())
     if FENCE_PATCHES & set(applied):
         _compat.refresh_dynamo_rules()
     if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():

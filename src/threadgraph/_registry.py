@@ -121,14 +121,17 @@ class Registry:
                 missing.setdefault(symbol, []).append(patch.name)
         return missing
 
-    def install(self, exclude: Iterable[str] = ()) -> list[str]:
+    def install(self, exclude: Iterable[str] = (), also_missing: Optional[dict[str, list[str]]] = None) -> list[str]:
         """Apply every patch whose condition holds; returns the names newly applied.
 
-        Raises UnsupportedTorchError, with nothing replaced, when a target is missing."""
+        Raises one UnsupportedTorchError, with nothing replaced, when a target is missing or
+        ``also_missing`` names symbols (symbol -> who needs it) the caller found missing."""
         exclude = patch_names(exclude, "exclude")
         self.check_known(exclude)
         with self._lock:
-            missing = self.missing(exclude)
+            missing = {symbol: list(users) for symbol, users in (also_missing or {}).items()}
+            for symbol, users in self.missing(exclude).items():
+                missing.setdefault(symbol, []).extend(users)
             if missing:
                 raise _compat.unsupported_torch(missing)
             excluded = self._excluded | exclude
