@@ -14,7 +14,9 @@ during that run)::
     python benchmarks/dflash_ab.py --summarize /tmp/ab    # the summary again, from the runs' own files
 
 Each run's results land in ``WORK/<tree>-<rep>/`` (emptied first); ``WORK/runs.json`` records the
-order they ran in. Each tree runs with ``TORCHINDUCTOR_CACHE_DIR=WORK/inductor-cache-<tree>`` (trees
+order they ran in. Run it again on the same ``--work`` (same arguments) to add turns after the
+earlier ones: the summary then holds them all, and a results file is never replaced by one that
+lacks its runs. Each tree runs with ``TORCHINDUCTOR_CACHE_DIR=WORK/inductor-cache-<tree>`` (trees
 whose cells pick their own cache ignore it). ``--tree-arg NAME=ARG`` gives one tree an argument the
 others lack (a flag an older tree does not know), ``--tree-env NAME=VAR=VALUE`` an environment
 variable (a variant of one tree under a second name). The summary goes to
@@ -89,10 +91,10 @@ def parse_args(argv=None):
 def run_all(args) -> Path:
     work = args.work or Path(f"/tmp/dflash-ab-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    order = []
+    order = earlier_runs(work, args)
     for rep in range(1, args.reps + 1):
         for name, tree in args.trees.items():
-            run_dir = work / f"{name}-{rep}"
+            run_dir = work / f"{name}-{sum(r['tree'] == name for r in order) + 1}"
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that writes nothing must not show an older one's figures
             extra_args, extra_env = args.extra_args.get(name, []), args.extra_env.get(name, [])
             env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}",
@@ -110,6 +112,22 @@ def run_all(args) -> Path:
                           **({"extra_env": " ".join(extra_env)} if extra_env else {})})
             (work / "runs.json").write_text(json.dumps({"bench_args": args.bench_args, "runs": order}, indent=1) + "\n")
     return work
+
+
+def earlier_runs(work: Path, args) -> list:
+    """The turns an earlier invocation took in WORK, which these turns follow; refused when they differ in kind."""
+    if not (work / "runs.json").is_file():
+        return []
+    meta = json.loads((work / "runs.json").read_text())
+    if meta["bench_args"] != args.bench_args:
+        raise SystemExit(f"{work} holds an A/B of dflash_throughput.py {' '.join(meta['bench_args'])}, not of "
+                         f"{' '.join(args.bench_args)}; give another --work")
+    for r in meta["runs"]:
+        if r["tree"] in args.trees and Path(r["dir"]) != args.trees[r["tree"]]:
+            raise SystemExit(f"{work}: tree {r['tree']} was {r['dir']} in its earlier runs, not {args.trees[r['tree']]}; "
+                             "give this tree another name or another --work")
+    print(f"{work}: {len(meta['runs'])} earlier runs; these turns follow them", file=sys.stderr)
+    return meta["runs"]
 
 
 def counts(run: dict) -> bool:
@@ -135,7 +153,7 @@ def summarize(work: Path) -> dict:
     for r in done:
         trees.setdefault(r["tree"], []).append(r)
     return {"benchmark": "dflash_ab", "env": done[0]["env"], "shape": done[0]["shape"], "graphs": done[0]["graphs"],
-            **{k: v for k, v in meta.items() if k != "runs"}, "runs": runs,
+            "work": str(work), **{k: v for k, v in meta.items() if k != "runs"}, "runs": runs,
             "trees": {name: {f"{k}_{agg.__name__}": agg(r[k] for r in rs) for k in REQUIRED for agg in (min, max)}
                       | {"runs": len(rs)} for name, rs in trees.items()}}
 
@@ -160,6 +178,18 @@ def report(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def keep_earlier(path: Path, summary: dict) -> None:
+    """A results file of the same day, machine and kind is replaced only by a summary that holds its runs."""
+    if not path.is_file():
+        return
+    earlier = json.loads(path.read_text())
+    same_work = earlier.get("work", summary["work"]) == summary["work"]
+    if not same_work or earlier.get("runs") != summary["runs"][:len(earlier.get("runs", []))]:
+        where = f" (its --work was {earlier['work']})" if earlier.get("work") else ""
+        raise SystemExit(f"{path} holds another A/B's runs{where}; add turns to that one by giving its --work, "
+                         "or write this one elsewhere with --out-dir")
+
+
 def main(argv=None) -> int:
     common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
     args = parse_args(argv)
@@ -169,6 +199,7 @@ def main(argv=None) -> int:
     print(text)
     stem = common.results_stem(summary["env"], f"dflash-ab-{summary['shape']}-{summary['graphs']}")
     out = common.results_dir(args.out_dir)
+    keep_earlier(out / f"{stem}.json", summary)
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / f"{stem}.md").write_text(text)
     print(f"wrote {out / stem}.{{json,md}}", file=sys.stderr)

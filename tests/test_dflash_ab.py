@@ -67,6 +67,41 @@ def test_trees_run_in_turns_and_the_summary_keeps_their_order(tmp_path, capsys):
     assert (again / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json").read_text() == json.dumps(summary, indent=1) + "\n"
 
 
+def test_a_second_invocation_on_one_work_adds_its_turns_and_keeps_the_earlier_ones(tmp_path, capsys):
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--reps", "1", "--work", str(work), "--out-dir", str(out), "--", "--cuda-graphs", "whole-step"]
+    assert dflash_ab.main(["--tree", f"a={a}", "--tree", f"b={b}", *common]) == 0
+    assert dflash_ab.main(["--tree", f"b={b}", "--tree", f"a={a}", *common]) == 0  # the other order, as a second call
+    assert "2 earlier runs; these turns follow them" in capsys.readouterr().err
+    assert (work / "turns.txt").read_text().split() == ["a", "b", "b", "a"]
+    summary = json.loads((out / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["a-1", "b-1", "b-2", "a-2"]
+    assert [r["tokens_per_s_threaded"] for r in summary["runs"]] == [1000.0, 2000.0, 3000.0, 4000.0]
+    assert summary["trees"]["a"]["runs"] == 2 and summary["work"] == str(work)
+    with pytest.raises(SystemExit, match="holds an A/B of dflash_throughput.py --cuda-graphs whole-step, not of "
+                                         "--cuda-graphs trees; give another --work"):
+        dflash_ab.main(["--tree", f"a={a}", "--tree", f"b={b}", *common[:-1], "trees"])
+    c = _tree(tmp_path / "c", "a")
+    with pytest.raises(SystemExit, match=f"tree a was {a} in its earlier runs, not {c}"):
+        dflash_ab.main(["--tree", f"a={c}", "--tree", f"b={b}", *common])
+    assert (work / "turns.txt").read_text().split() == ["a", "b", "b", "a"]  # refused before any run
+
+
+def test_a_results_file_is_not_replaced_by_another_work_s_summary(tmp_path):
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    out = tmp_path / "out"
+    first = ["--tree", f"a={a}", "--tree", f"b={b}", "--reps", "1", "--out-dir", str(out)]
+    assert dflash_ab.main([*first, "--work", str(tmp_path / "w1")]) == 0
+    path = out / "dflash-ab-default-whole-step_cpu_torch2.13.0_2026-12-01.json"
+    kept = path.read_text()
+    with pytest.raises(SystemExit, match=f"holds another A/B's runs \\(its --work was {tmp_path / 'w1'}\\); add turns"):
+        dflash_ab.main([*first, "--work", str(tmp_path / "w2")])
+    assert path.read_text() == kept
+    assert dflash_ab.main(["--summarize", str(tmp_path / "w1"), "--out-dir", str(out)]) == 0  # the same runs again
+    assert path.read_text() == kept
+
+
 def test_a_work_dir_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no runs.json, so not a folder this script ran in"):
         dflash_ab.main(["--summarize", str(tmp_path)])
