@@ -14,6 +14,8 @@ import threadgraph
 from threadgraph import _compat, _hazards, _patches
 
 FX_PATCHES = frozenset({"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread", "fx_tracing_per_thread"})
+# fx_trace_window would hold the call back until the trace ends (test_fx_window.py): these tests need it during one.
+WINDOW = ["fx_trace_window"]
 GLOBAL_FLAG = _compat.fx_tracing_flag_is_global()
 
 
@@ -61,7 +63,7 @@ def clean_shim():
 
 
 def test_without_the_fx_patches_a_compiled_call_fails_exactly_where_the_flag_is_global(clean_shim):
-    threadgraph.install(exclude=FX_PATCHES)
+    threadgraph.install(exclude=[*FX_PATCHES, *WINDOW])
     outcome = _compiled_call_while_another_thread_traces()
     if GLOBAL_FLAG:  # the hazard: the other thread's trace is seen in this one
         assert "symbolically trace a dynamo-optimized function" in outcome, outcome
@@ -70,7 +72,7 @@ def test_without_the_fx_patches_a_compiled_call_fails_exactly_where_the_flag_is_
 
 
 def test_install_patches_a_global_flag_and_leaves_a_per_thread_one_alone(clean_shim):
-    applied = set(threadgraph.install())
+    applied = set(threadgraph.install(exclude=WINDOW))
     active = {p["name"] for p in threadgraph.patches() if p["active"]}
     if GLOBAL_FLAG:
         assert {"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread"} <= applied & active

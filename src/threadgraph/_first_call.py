@@ -41,6 +41,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from . import _compat
+from ._fx_window import tracing_here
 from ._gate import DEFAULT_TIMEOUT_S, released
 from ._tls import current_worker, doing
 
@@ -109,7 +110,8 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
     @functools.wraps(compiled)
     def compiled_in_turn(*args: Any, **kwargs: Any) -> Any:
         # Under Dynamo (a compiled caller inlining this one) the check folds to True.
-        if is_tracing() or key in _done:
+        # Inside its own FX trace a thread takes no turn: the call is inlined or refused upstream.
+        if is_tracing() or key in _done or tracing_here():
             return compiled(*args, **kwargs)
         return _take_turn(key, name, compiled, args, kwargs)
 

@@ -199,16 +199,23 @@ HAZARDS: tuple[Hazard, ...] = (
     ),
     Hazard(
         "global-fx-patcher",
-        "FX symbolic tracing patches `nn.Module.__call__` and `__getattr__` process-wide and keeps the "
-        "active patcher in a module global (`CURRENT_PATCHER`): a module another thread calls during a "
-        "trace can enter the tracer, and Dynamo's `_maybe_revert_all_patches` in another thread's "
-        "compile can remove the trace's patches, silently changing its graph.",
+        "FX tracing (`symbolic_trace`, and `make_fx`, which AOTAutograd runs in every compile) patches "
+        "`nn.Module.__call__` and `__getattr__` process-wide and keeps the active patcher in a module "
+        "global (`CURRENT_PATCHER`). Dynamo guards on `nn.Module.__call__` in code that reaches it through "
+        "a subclass's own `__call__` (transformers' decoder layers), so a compiled call in another thread "
+        "during a trace misses its cache and compiles the same code again, after waiting for the tracing "
+        "compile; a module another thread calls eagerly can enter the tracer, and a compile started "
+        "during a trace removes its patches (`_maybe_revert_all_patches`).",
         "detected: `torch.fx._symbolic_trace.CURRENT_PATCHER` is a module global",
         "2.1 - 2.15.0",
-        f"{READ}; not reproduced here",
+        f"{READ}; the recompile run on 2.11.0, 2.13.0, 2.15.0 (CPU test) and seen on 2.11.0 in the DFlash "
+        "trainer on an H200 (each target worker compiled its step again while a drafter compiled)",
         (_gh(187589, "pull"), _gh(126024)),
-        "None: keep plain `torch.fx.symbolic_trace` out of the time worker threads compile or call "
-        "modules (compiles inside workers are ordered by Dynamo's lock, a plain trace is not).",
+        "The patch `fx_trace_window`: a cache miss in another thread while a trace's patches are in place "
+        "waits for the trace to end, then, when cached code fits, runs that call uncompiled once (its nested "
+        "frames from the cache) instead of compiling the same code again; calls that hit never wait. Not "
+        "covered: eager module calls in other threads, and two traces at once in two threads (they break "
+        "each other upstream); keep plain `torch.fx.symbolic_trace` out of the time workers run.",
         _compat.fx_patcher_is_global,
     ),
     Hazard(

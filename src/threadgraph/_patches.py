@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import _compat, _fence, _first_call
+from . import _compat, _fence, _first_call, _fx_window
 from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
 from ._registry import Patch, Registry, patch_names
@@ -138,8 +138,14 @@ def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     state = current_worker()
     frame = args[0] if args else None
     code = getattr(frame, "f_code", None)
-    started = time.perf_counter()
-    _first_call.note_compile()
+    _first_call.note_compile()  # also for a call run uncompiled: it must not settle its code's turns
+    if _fx_window.wait_for_other_traces():  # a trace's patches would be traced into this compile
+        # A miss during another thread's trace (its patched nn.Module.__call__ fails guards): when
+        # cached code fits now, this call runs uncompiled rather than compiling the same code again.
+        uncompiled = _compat.run_uncompiled_once()
+        if uncompiled is not None and _compat.cached_code_fits(args[1] if len(args) > 1 else kwargs.get("cache_entry"), frame):
+            return uncompiled
+    started = time.perf_counter()  # after the wait, which counts as waiting for a peer
     with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
         try:
             return wrapped(*args, **kwargs)
@@ -251,6 +257,13 @@ PATCHES = [
           run=_RUN + "; measured with 8 DFlash workers on one GPU",
           changes="2.14 passes `apply_to_code` when it skips a frame; 2.15 as 2.14; `compile_lock` is still one "
                   "process-wide RLock"),
+    Patch("fx_trace_window", "torch.fx._symbolic_trace:_new_patcher", "global-fx-patcher", "2.1 - 2.15.0",
+          "upstream keeps FX's patches per thread, or Dynamo stops guarding on nn.Module.__call__", _NONE,
+          _fx_window.trace_window, applies=_compat.fx_patcher_is_global, read=_READ + ", 2.11.0",
+          run="CPU tests on 2.11.0, 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); its wait for the trace, without the "
+              "uncompiled call, in the DFlash trainer on an H200 (2.11.0); not yet in the GPU test suite",
+          changes="`Tracer.trace` enters `_new_patcher()` through its module global and patches "
+                  "`nn.Module.__call__` / `__getattr__` inside it in 2.11.0 - 2.15.0"),
     Patch("first_call_in_turn", "torch._dynamo.eval_frame:OptimizeContext.__call__", "concurrent-first-compile",
           "2.1 - 2.15.0", "upstream looks the cache up again once it holds the compile lock", _NONE,
           _first_call.first_call_in_turn, read=_READ, run=_RUN,

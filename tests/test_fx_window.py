@@ -1,0 +1,200 @@
+"""Hazard global-fx-patcher: while one thread FX-traces, nn.Module.__call__ is patched for every
+thread; a compiled call in another thread then fails the guard Dynamo keeps on it and compiles its
+code again (seen in the DFlash trainer: every target worker recompiled its step while a drafter
+compiled). With the patch fx_trace_window the call waits for the trace to end and runs from its
+cache (the missed frame uncompiled once) instead of compiling its code again."""
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import threadgraph
+from threadgraph import _first_call, _fx_window
+
+_new_patcher = torch.fx._symbolic_trace._new_patcher  # the original, before any install()
+
+
+class Layer(torch.nn.Linear):
+    """A layer with its own __call__ over nn.Module's, as transformers' decoder layers have: Dynamo
+    then guards on nn.Module.__call__ itself."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+class ParkedTrace(torch.nn.Module):
+    """A module whose forward, traced by torch.fx, waits until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracing, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.tracing.set()
+        assert self.release.wait(60), "the test never let the trace end"
+        return x + 1
+
+
+@pytest.fixture
+def shim(clean_patches):
+    torch._dynamo.reset()
+    _first_call.forget()  # every test's compiled lambdas share code objects: their turns start afresh
+    yield
+    torch._dynamo.reset()
+    _first_call.forget()
+
+
+def _until_waiting(name: str) -> None:
+    deadline = time.monotonic() + 60
+    while name not in _fx_window.waiting() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert name in _fx_window.waiting(), f"{name} did not wait for the trace"
+
+
+def _settled_compiled_call():
+    layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
+    fn = torch.compile(lambda x: layer(x) * 2, backend="eager")
+    x = torch.randn(2, 4)
+    expected = layer(x) * 2
+    fn(x), fn(x)  # compiled, and a second call that compiles nothing: its turn is over
+    return fn, x, expected
+
+
+def _call_during_a_trace(fn, x, *, wait_for_waiter: bool):
+    """Call ``fn(x)`` in a thread while another thread is inside an FX trace; (result, frames compiled)."""
+    traced = ParkedTrace()
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,), name="tracer")
+    before, box = counters["frames"]["ok"], {}
+    tracer.start()
+    try:
+        assert traced.tracing.wait(60)
+        caller = threading.Thread(target=lambda: box.setdefault("out", fn(x)), name="caller")
+        caller.start()
+        if wait_for_waiter:
+            _until_waiting("caller")
+            assert "out" not in box and _fx_window.open_windows() == {"tracer": 1}
+        else:
+            caller.join(60)
+    finally:
+        traced.release.set()
+        tracer.join(60)
+    caller.join(60)
+    assert not caller.is_alive() and not tracer.is_alive()
+    return box["out"], counters["frames"]["ok"] - before
+
+
+def test_a_compiled_call_during_another_threads_trace_waits_and_compiles_nothing(shim):
+    threadgraph.install()
+    assert "fx_trace_window" in {p["name"] for p in threadgraph.patches() if p["active"]}
+    fn, x, expected = _settled_compiled_call()
+    out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=True)
+    assert torch.allclose(out, expected) and compiled == 0
+    assert _fx_window.open_windows() == {} and _fx_window.waiting() == []
+    before = counters["frames"]["ok"]
+    assert torch.allclose(fn(x), expected) and counters["frames"]["ok"] == before  # and then from the cache
+
+
+def test_a_call_whose_guards_fail_after_the_trace_too_compiles(shim):
+    threadgraph.install()
+    fn, x, _ = _settled_compiled_call()
+    wider = torch.randn(3, 4)  # another shape: no cached entry fits once the trace is over either
+    out, compiled = _call_during_a_trace(fn, wider, wait_for_waiter=True)
+    assert out.shape == (3, 4) and compiled == 1
+
+
+def test_without_the_patch_the_call_during_the_trace_compiles_its_code_again(shim):
+    threadgraph.install(exclude=["fx_trace_window"])
+    fn, x, expected = _settled_compiled_call()
+    out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=False)
+    assert torch.allclose(out, expected) and compiled == 1  # the hazard: the same code, once more
+
+
+def test_a_first_compile_during_another_threads_trace_waits_for_it_to_end(shim):
+    threadgraph.install()
+    layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
+    fn = torch.compile(lambda x: layer(x) - 1, backend="eager")  # not compiled yet: the call compiles
+    x = torch.randn(2, 4)
+    out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=True)
+    assert torch.allclose(out, layer(x) - 1) and compiled == 1
+
+
+def test_windows_nest_per_thread_and_a_thread_inside_its_own_does_not_wait(shim):
+    threadgraph.install()
+    new_patcher = torch.fx._symbolic_trace._new_patcher
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_window():
+        with new_patcher():
+            entered.set()
+            assert leave.wait(60)
+
+    me = threading.current_thread().name
+    with new_patcher():
+        with new_patcher():
+            assert _fx_window.open_windows() == {me: 2} and _fx_window.tracing_here()
+            other = threading.Thread(target=other_window, name="other")
+            other.start()
+            assert entered.wait(60)
+            assert _fx_window.wait_for_other_traces() is False  # inside its own: no wait for "other"
+            leave.set()
+            other.join(60)
+        assert _fx_window.open_windows() == {me: 1}
+    assert _fx_window.open_windows() == {} and not _fx_window.tracing_here()
+    threadgraph.uninstall()
+    assert torch.fx._symbolic_trace._new_patcher is _new_patcher
+
+
+def test_a_trace_that_outlasts_the_timeout_lets_the_call_go_on_with_a_warning(shim, monkeypatch, caplog):
+    threadgraph.install()
+    monkeypatch.setattr(_fx_window, "DEFAULT_TIMEOUT_S", 0.2)
+    fn, x, expected = _settled_compiled_call()
+    with caplog.at_level(logging.WARNING, logger="threadgraph"):
+        out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=False)
+    assert torch.allclose(out, expected) and compiled == 1
+    assert "waited 0.2 s for an FX trace in tracer to end; going on" in caplog.text
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["uncompiled-once", "without-it"])
+def test_a_call_that_reaches_a_resume_frame_during_the_trace_runs_it_uncompiled_once(shim, monkeypatch, fallback):
+    threadgraph.install()
+    if not fallback:  # what the wait alone gives: the piece compiles again once the trace ends
+        monkeypatch.setattr(threadgraph._compat, "run_uncompiled_once", lambda: None)
+    layer, reached, resume, parked = Layer(4, 4), threading.Event(), threading.Event(), {"on": False}
+
+    @torch._dynamo.disable
+    def eager_between():  # a graph break: the rest of f is a resume frame, looked up when reached
+        if parked["on"]:
+            reached.set()
+            assert resume.wait(60), "the test never let the call go on"
+
+    def f(x):
+        y = layer(x)
+        eager_between()
+        return layer(y) * 2
+
+    fn, x = torch.compile(f, backend="eager"), torch.randn(2, 4)
+    fn(x), fn(x)
+    before, box, traced = counters["frames"]["ok"], {}, ParkedTrace()
+    parked["on"] = True
+    caller = threading.Thread(target=lambda: box.setdefault("out", fn(x)), name="caller")
+    caller.start()
+    assert reached.wait(60)  # the call is past its own wait, between its two compiled pieces
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,), name="tracer")
+    tracer.start()
+    try:
+        assert traced.tracing.wait(60)
+        resume.set()  # its resume frame now misses on the trace's patched nn.Module.__call__
+        _until_waiting("caller")
+        assert "out" not in box
+    finally:
+        traced.release.set()
+        tracer.join(60)
+        caller.join(60)
+    parked["on"] = False
+    assert torch.allclose(box["out"], layer(layer(x)) * 2)
+    assert torch.allclose(fn(x), layer(layer(x)) * 2)
+    assert counters["frames"]["ok"] - before == (0 if fallback else 1)  # with it, neither call compiled
