@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import threadgraph
 from threadgraph import _fence
@@ -404,3 +405,20 @@ def test_torchscript_still_scripts_code_that_calls_fenced_functions(clean_patche
     threadgraph.install()  # a second install puts the same wrappers back
     scripted = torch.jit.script(_scripted_user_code)
     assert scripted(torch.ones(3)).shape == (3,)
+
+
+def test_a_fake_trace_in_another_thread_does_not_wait_for_the_capture(clean_patches):
+    # AOTAutograd's make_fx traces on fake tensors: an RNG op there is traced, not run on the device.
+    threadgraph.install()
+    traced = {}
+
+    def trace():
+        graph = make_fx(lambda: torch.rand(2, device="cuda:0") * 2, tracing_mode="fake")()
+        traced["code"], traced["at"] = graph.code, time.monotonic()
+
+    with Capture(gate_for("cuda:0")) as capture:
+        tracer = threading.Thread(target=trace, name="tracer")
+        tracer.start()
+        tracer.join(10)
+    assert traced["at"] < capture.released_at, "the fake trace waited for the capture"
+    assert "torch.ops.aten.rand.default([2], device = device(type='cuda', index=0)" in traced["code"]

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -352,6 +352,19 @@ def _find_dynamo_compiling() -> Any:
 
 # Dynamo folds this predicate to True while it traces, so code guarded by it traces unchanged.
 is_dynamo_compiling = _find_dynamo_compiling()
+
+
+def _find_fake_mode_check() -> Callable[[], bool]:
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    if key is None or get_mode is None:
+        return lambda: False
+    return lambda: get_mode(key) is not None
+
+
+# Whether a FakeTensorMode is active in the calling thread (the dispatch mode stack is per thread):
+# its ops, AOTAutograd's make_fx trace among them, run on fake tensors and do no device work.
+in_fake_mode = _find_fake_mode_check()
 
 
 def copy_all_(destinations: tuple, sources: tuple) -> None:

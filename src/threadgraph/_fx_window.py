@@ -16,7 +16,9 @@ per thread, the windows open. On a cache miss, the compile-frame patch calls
 ``wait_for_other_traces``: while another thread's window is open the frame waits, its device slots
 given up, and when cached code fits once the trace is over, that call runs uncompiled this once
 (its nested frames from the cache) instead of compiling the same code again. Calls that hit their
-cache never wait. A thread inside a trace of its own does not wait. Limits: eager module calls of
+cache never wait. A thread inside a trace of its own does not wait, and a trace's fake ops pass the
+eager fence without waiting (``_fence``), so a capturing thread that waits for a trace never waits
+for a thread that waits for its capture. Limits: eager module calls of
 other threads during a trace still go through FX's wrapper; two traces at once in two threads
 break each other upstream (one ``CURRENT_PATCHER``); a miss inside a whole-step capture records
 that call's frame uncompiled.
