@@ -422,3 +422,24 @@ def test_a_fake_trace_in_another_thread_does_not_wait_for_the_capture(clean_patc
         tracer.join(10)
     assert traced["at"] < capture.released_at, "the fake trace waited for the capture"
     assert "torch.ops.aten.rand.default([2], device = device(type='cuda', index=0)" in traced["code"]
+
+
+def test_a_synchronize_under_a_fake_mode_still_waits_for_the_capture(on_cuda0, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    done = {}
+
+    def sync():
+        try:
+            with FakeTensorMode():
+                torch.cuda.synchronize()  # a real device sync under any mode
+        except (AssertionError, RuntimeError) as error:  # no CUDA here: after the fence, the sync itself fails
+            done["error"] = str(error)
+        done["at"] = time.monotonic()
+
+    monkeypatch.setattr(_fence, "_current_or", lambda device: 0)
+    with Capture(on_cuda0) as capture:
+        thread = threading.Thread(target=sync)
+        thread.start()
+        thread.join(10)
+    assert done["at"] >= capture.released_at
+    assert torch.cuda.is_available() or "CUDA" in done["error"] or "NVIDIA driver" in done["error"], done

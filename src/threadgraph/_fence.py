@@ -135,13 +135,15 @@ def fenced_function(original: Callable, where: Callable[[tuple, dict], Optional[
 
 
 def _make_fenced(original: Callable, where: Callable[[tuple, dict], Optional[int]]) -> Callable:
-    is_tracing, faking, fence = _compat.is_dynamo_compiling, _compat.in_fake_mode, fenced  # closure cells, not globals: see below
+    # Under a fake mode (a compile's make_fx trace) an op on tensors is traced, not run: waiting for
+    # another thread's capture there would stall the compile, and a capturing thread that waits
+    # for that compile's trace (fx_trace_window) would wait for a thread that waits for it. A
+    # device synchronize is real under any mode.
+    faking = _compat.in_fake_mode if where is op_device else (lambda: False)
+    is_tracing, fence = _compat.is_dynamo_compiling, fenced  # closure cells, not globals: see below
 
     def fenced_call(*args: Any, **kwargs: Any) -> Any:
-        # Dynamo folds is_tracing() to True and traces the original, unchanged. Under a fake mode
-        # (a compile's make_fx trace) the op is traced, not run: waiting for another thread's
-        # capture there would stall the compile, and a capturing thread that waits for that
-        # compile's trace (fx_trace_window) would wait for a thread that waits for it.
+        # Dynamo folds is_tracing() to True and traces the original, unchanged.
         if is_tracing() or faking():
             return original(*args, **kwargs)
         index = where(args, kwargs)
