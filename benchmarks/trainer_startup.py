@@ -1,0 +1,192 @@
+"""The trainer's startup: the README's main job, each run in a fresh process on an empty Inductor
+cache, to its first steady step, with the compiles of each worker and Dynamo's recompilations.
+
+    python benchmarks/trainer_startup.py                      # Trees, whole-step, then Trees again on Trees' cache
+    python benchmarks/trainer_startup.py --graphs trees --no-restart --label "before X"   # one run, named
+    python benchmarks/trainer_startup.py --append --label "after X"   # add runs to today's file
+    python benchmarks/trainer_startup.py --report FILE.json   # the .md again from a results file
+
+Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-graphs whole-step]``
+(the arguments after ``--`` added) with ``TORCHINDUCTOR_CACHE_DIR`` an empty folder of its own and
+``TORCH_LOGS=recompiles``; the restart runs Trees again on the first Trees run's cache, as a user's
+second start does. Its ``--json`` line is kept whole under the run's name, with ``recompiles`` (how
+many "Recompiling function" records Dynamo logged) and their first lines, and ``took_s``, the
+process's wall time. The results go to ``benchmarks/results/dflash-trainer-startup_...``; with
+``--append`` a run of a name already there replaces it. Needs a GPU for the figures the README
+quotes; on a CPU the trainer runs eager, so its startup says nothing about graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+THEME = "dflash-trainer-startup"
+TRAINER = [sys.executable, "-m", "examples.dflash_trainer"]
+GRAPHS = {"trees": "Trees", "whole-step": "whole-step"}
+RECOMPILE = re.compile(r"Recompiling function (\S+)")
+KEPT_RECOMPILES = 5  # the first records, each a line and its reason, kept in the results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graphs", default="trees,whole-step", help="comma-separated --cuda-graphs values (default: %(default)s)")
+    p.add_argument("--no-restart", dest="restart", action="store_false",
+                   help="leave out the Trees run again on the first Trees run's Inductor cache")
+    p.add_argument("--label", default="", help="words in every run's name (which code ran, say: 'after X')")
+    p.add_argument("--append", action="store_true", help="add the runs to today's results file (same name: replaced)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds one run may take (default %(default)s)")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    p.add_argument("--report", type=Path, metavar="JSON", help="only write the .md of this results file again")
+    p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for every trainer run")
+    args = p.parse_args(argv)
+    args.trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+    args.graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
+    unknown = [g for g in args.graphs if g not in GRAPHS]
+    if unknown or not args.graphs:
+        p.error(f"--graphs {','.join(unknown) or '(none)'}: give one or more of {', '.join(GRAPHS)}")
+    reserved = [a for a in args.trainer_args if a.split("=")[0] in ("--out-dir", "--json", "--cuda-graphs", "--resume")]
+    if reserved:
+        p.error(f"{reserved[0]} is this script's to set (each run has its own --out-dir, --cuda-graphs and cache)")
+    return args
+
+
+def planned_runs(args) -> list:
+    """(name, --cuda-graphs value, cache): each on an empty cache, the restart on the Trees run's."""
+    def name(graphs, cache):
+        return f"{GRAPHS[graphs]}{' ' + args.label if args.label else ''}, {cache}"
+
+    runs = [(name(g, "empty Inductor cache"), g, g) for g in args.graphs]
+    if args.restart and "trees" in args.graphs:
+        runs.append((name("trees", "restart on that cache"), "trees", "trees"))
+    return runs
+
+
+def recompiles(stderr: str) -> dict:
+    """Dynamo's recompilation records in a run's log (TORCH_LOGS=recompiles): the count and the first few."""
+    lines = stderr.splitlines()
+    found = [i for i, line in enumerate(lines) if RECOMPILE.search(line)]
+    kept = [" / ".join(s.strip() for s in lines[i:i + 3])[:400] for i in found[:KEPT_RECOMPILES]]
+    return {"recompiles": len(found), "recompile_records": kept}
+
+
+def run_one(graphs: str, cache: Path, out_dir: Path, trainer_args: list, timeout: int) -> dict:
+    """One trainer run in a fresh process: its --json result, or {"error": ...} naming why there is none."""
+    cmd = [*TRAINER, "--out-dir", str(out_dir), "--json", "--cuda-graphs", graphs, *trainer_args]
+    path = os.pathsep.join([str(common.ROOT / "src"), str(common.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCH_LOGS": "recompiles"}
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outputs = common.wait_or_stop(proc, timeout)
+    took = round(time.perf_counter() - started, 1)
+    given = {"command": " ".join(["python -m examples.dflash_trainer", *cmd[len(TRAINER):]]), "took_s": took}
+    if outputs is None:
+        return {"error": f"timed out after {timeout} s", **given}
+    stdout, stderr = outputs
+    results = [line for line in stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not results:
+        sys.stderr.write(stderr[-3000:])
+        tail = [line for line in stderr.splitlines() if line.strip()]
+        return {"error": f"exit {proc.returncode}: {tail[-1][:300] if tail else 'no output'}", **given}
+    return {**json.loads(results[-1]), **recompiles(stderr), **given}
+
+
+def run_all(args) -> dict:
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="trainer-startup-") as tmp:
+        for i, (name, graphs, cache) in enumerate(planned_runs(args), 1):
+            print(f"[{i}] {name}", file=sys.stderr, flush=True)
+            result = run_one(graphs, Path(tmp, f"inductor-cache-{cache}"), Path(tmp, f"run-{i}"), args.trainer_args,
+                             args.timeout)
+            runs[name] = result
+            print(f"[{i}] {describe(result)}", file=sys.stderr, flush=True)
+    return runs
+
+
+def describe(run: dict) -> str:
+    if "error" in run:
+        return f"failed: {run['error']}"
+    compiled = sum(1 for w in run["workers"].values() if w["compile_s"] > 0)
+    return (f"startup {run['startup_s']:.1f} s, {compiled} of {len(run['workers'])} workers compiled, "
+            f"{run['recompiles']} recompiles, {_steady(run)} tokens/s steady")
+
+
+def _steady(run: dict) -> str:
+    """Steady tokens/s; a run too short for a steady window has none."""
+    return "-" if run.get("tokens_per_s_steady") is None else f"{run['tokens_per_s_steady']:.0f}"
+
+
+def _per_worker(run: dict, key: str) -> str:
+    return ", ".join(f"{name} {w[key]:.1f}" for name, w in run["workers"].items())
+
+
+def report(data: dict, path: Path) -> str:
+    """The .md of a results file: its runs' startups, compiles and waits per worker."""
+    env = data.get("env")  # else the file's name says where and when: <theme>_<hardware>_torch<version>_<date>
+    named = re.search(r"_([^_]+)_torch([^_]+)_([0-9-]+)$", path.stem)
+    where = (f"{env['gpu'] or 'CPU'}, torch {env['torch']}, {env['date']}" if env else
+             f"{named[1]}, torch {named[2]}, {named[3]}" if named else path.stem)
+    lines = [f"# DFlash trainer startup: the README's main job, {where}", "",
+             f"- {data['recorded_by']}", "",
+             "| run | startup s (to the last worker's first steady step) | build s | compile s per worker | "
+             "waiting for a peer's compile s per worker | recompiles | tau | steady tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in runs_of(data).items():
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error']} | | | | | | |")
+            continue
+        tau = f"{run['eval']['tau']:.2f}" if run.get("eval") else "-"
+        lines.append(f"| {name} | {run['startup_s']:.1f} | {run['build_s']:.1f} | {_per_worker(run, 'compile_s')} | "
+                     f"{_per_worker(run, 'peer_compile_wait_s')} | {run.get('recompiles', '-')} | "
+                     f"{tau} | {_steady(run)} |")
+    return "\n".join(lines) + "\n"
+
+
+def runs_of(data: dict) -> dict:
+    """A results file's runs by name (its other entries say how they were made)."""
+    return {name: run for name, run in data.items() if isinstance(run, dict) and ("startup_s" in run or "error" in run)}
+
+
+RECORDED_BY = ("benchmarks/trainer_startup.py: each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
+               "empty folder (the restart: the first Trees run's) and TORCH_LOGS=recompiles; each entry is the run's "
+               "--json line, with `recompiles`, `recompile_records`, `command` and `took_s` added")
+
+
+def write_report(path: Path, data: dict) -> str:
+    text = report(data, path)
+    path.with_suffix(".md").write_text(text)
+    print(f"wrote {path.with_suffix('.md')}", file=sys.stderr)
+    return text
+
+
+def main(argv=None) -> int:
+    common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
+    args = parse_args(argv)
+    if args.report:
+        print(write_report(args.report, json.loads(args.report.read_text())))
+        return 0
+    env = common.environment()
+    path = common.results_dir(args.out_dir) / f"{common.results_stem(env, THEME)}.json"
+    data = json.loads(path.read_text()) if args.append and path.is_file() else {}
+    runs = run_all(args)
+    replaced = [name for name in runs if name in data]
+    if replaced:
+        print(f"replacing the earlier runs {', '.join(replaced)} in {path}", file=sys.stderr)
+    data = {"recorded_by": RECORDED_BY, "env": env, **data, **runs}
+    common.write_json(path, data)
+    print(write_report(path, data))
+    return 1 if any("error" in run for run in runs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
