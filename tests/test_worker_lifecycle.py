@@ -156,30 +156,8 @@ def test_ctrl_c_in_a_workers_join_stops_it():
     assert worker.stats.steps < 20_000
 
 
-LEFT_RUNNING = textwrap.dedent("""
-    import sys, time, torch, threadgraph
-    class W(threadgraph.CompiledWorkerThread):
-        def step(self):
-            torch.ones(4, 4).sum()
-            time.sleep(0.001)
-        def teardown(self):
-            sys.stdout.write(f"teardown {self.name}\\n")
-    workers = [W("cpu", name=f"w{i}") for i in range(4)]
-    for w in workers:
-        w.start()
-    time.sleep(0.3)  # the script ends without stopping or joining them
-""")
-
-
-def test_workers_still_running_at_exit_are_stopped_and_torn_down():
-    proc = subprocess.run([sys.executable, "-c", LEFT_RUNNING], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == [f"teardown w{i}" for i in range(4)]
-    assert "the interpreter is exiting with 4 worker(s) running" in proc.stderr
-
-
-AT_EXIT_MIXED = textwrap.dedent("""
+# A stand-in worker for the scripts below, each run in an interpreter of its own until it exits.
+WORKER = textwrap.dedent("""
     import sys, time, torch, threadgraph
     class W(threadgraph.CompiledWorkerThread):
         def step(self):
@@ -187,6 +165,29 @@ AT_EXIT_MIXED = textwrap.dedent("""
             time.sleep(0.001)
         def teardown(self):
             sys.stdout.write(f"teardown {self.name} after {self.stats.steps} steps\\n")
+""")
+
+LEFT_RUNNING = WORKER + textwrap.dedent("""
+    workers = [W("cpu", name=f"w{i}") for i in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(0.3)  # the script ends without stopping or joining them
+""")
+
+
+def _run_to_exit(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+
+def test_workers_still_running_at_exit_are_stopped_and_torn_down():
+    proc = _run_to_exit(LEFT_RUNNING)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line.split(" after ")[0] for line in proc.stdout.splitlines()) == [f"teardown w{i}" for i in range(4)]
+    assert "the interpreter is exiting with 4 worker(s) running" in proc.stderr
+
+
+AT_EXIT_MIXED = WORKER + textwrap.dedent("""
     group = threadgraph.WorkerGroup()
     q = group.queue()
     class Consumer(W):
@@ -202,8 +203,7 @@ AT_EXIT_MIXED = textwrap.dedent("""
 
 def test_at_exit_a_worker_blocked_on_its_groups_queue_wakes_and_a_non_daemon_one_finishes():
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", AT_EXIT_MIXED], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    proc = _run_to_exit(AT_EXIT_MIXED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - started < 25, "the exit waited out the consumer instead of waking it"
     assert "teardown finisher after 200 steps" in proc.stdout and "teardown consumer" in proc.stdout, proc.stdout
