@@ -443,3 +443,25 @@ def test_a_synchronize_under_a_fake_mode_still_waits_for_the_capture(on_cuda0, m
         thread.join(10)
     assert done["at"] >= capture.released_at
     assert torch.cuda.is_available() or "CUDA" in done["error"] or "NVIDIA driver" in done["error"], done
+
+
+def test_under_no_dispatch_an_rng_op_in_a_fake_mode_is_real_work_and_waits_for_the_capture(clean_patches):
+    # Inductor's passes draw real random inputs this way (pad_mm's benchmark) while a fake mode is active.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._mode_utils import no_dispatch
+    threadgraph.install()
+    done = {}
+
+    def real_draw():
+        try:
+            with FakeTensorMode(), no_dispatch():
+                torch.randn(4, device="cuda:0")
+        except (AssertionError, RuntimeError) as error:  # no CUDA here: after the fence, the draw itself fails
+            done["error"] = str(error)
+        done["at"] = time.monotonic()
+
+    with Capture(gate_for("cuda:0")) as capture:
+        drawer = threading.Thread(target=real_draw)
+        drawer.start()
+        drawer.join(10)
+    assert done["at"] >= capture.released_at, "the real draw ran during the capture"

@@ -4,9 +4,16 @@ code again (seen in the DFlash trainer: every target worker recompiled its step 
 compiled). With the patch fx_trace_window the call waits for the trace to end and runs from its
 cache (the missed frame uncompiled once) instead of compiling its code again."""
 
+import contextlib
+import gc
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +21,7 @@ from torch._dynamo.utils import counters
 
 import threadgraph
 from threadgraph import _first_call, _fx_window
+from threadgraph._gate import gate_for
 
 _new_patcher = torch.fx._symbolic_trace._new_patcher  # the original, before any install()
 
@@ -64,15 +72,24 @@ def _settled_compiled_call():
     return fn, x, expected
 
 
-def _call_during_a_trace(fn, x, *, wait_for_waiter: bool):
-    """Call ``fn(x)`` in a thread while another thread is inside an FX trace; (result, frames compiled)."""
+def _call_during_a_trace(fn, x, *, wait_for_waiter: bool, capturing: bool = False):
+    """Call ``fn(x)`` in a thread while another thread is inside an FX trace, in a simulated capture
+    (cuda:0's gate held exclusively) if ``capturing``; (result, frames compiled)."""
     traced = ParkedTrace()
     tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,), name="tracer")
     before, box = counters["frames"]["ok"], {}
+
+    def call():
+        try:
+            with gate_for("cuda:0").exclusive() if capturing else contextlib.nullcontext():
+                box["out"] = fn(x)
+        except Exception as error:  # raised again in the test's thread
+            box["error"] = error
+
     tracer.start()
     try:
         assert traced.tracing.wait(60)
-        caller = threading.Thread(target=lambda: box.setdefault("out", fn(x)), name="caller")
+        caller = threading.Thread(target=call, name="caller")
         caller.start()
         if wait_for_waiter:
             _until_waiting("caller")
@@ -84,6 +101,8 @@ def _call_during_a_trace(fn, x, *, wait_for_waiter: bool):
         tracer.join(60)
     caller.join(60)
     assert not caller.is_alive() and not tracer.is_alive()
+    if "error" in box:
+        raise box["error"]
     return box["out"], counters["frames"]["ok"] - before
 
 
@@ -96,6 +115,13 @@ def test_a_compiled_call_during_another_threads_trace_waits_and_compiles_nothing
     assert _fx_window.open_windows() == {} and _fx_window.waiting() == []
     before = counters["frames"]["ok"]
     assert torch.allclose(fn(x), expected) and counters["frames"]["ok"] == before  # and then from the cache
+
+
+def test_inside_a_capture_the_call_waits_and_then_compiles_rather_than_record_its_frame_uncompiled(shim):
+    threadgraph.install()
+    fn, x, expected = _settled_compiled_call()
+    out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=True, capturing=True)
+    assert torch.allclose(out, expected) and compiled == 1
 
 
 def test_a_call_whose_guards_fail_after_the_trace_too_compiles(shim):
@@ -162,7 +188,7 @@ def test_a_trace_that_outlasts_the_timeout_lets_the_call_go_on_with_a_warning(sh
 def test_a_call_that_reaches_a_resume_frame_during_the_trace_runs_it_uncompiled_once(shim, monkeypatch, fallback):
     threadgraph.install()
     if not fallback:  # what the wait alone gives: the piece compiles again once the trace ends
-        monkeypatch.setattr(threadgraph._compat, "run_uncompiled_once", lambda: None)
+        monkeypatch.setattr(threadgraph._frame_cache, "run_uncompiled_once", lambda: None)
     layer, reached, resume, parked = Layer(4, 4), threading.Event(), threading.Event(), {"on": False}
 
     @torch._dynamo.disable
@@ -198,3 +224,136 @@ def test_a_call_that_reaches_a_resume_frame_during_the_trace_runs_it_uncompiled_
     assert torch.allclose(box["out"], layer(layer(x)) * 2)
     assert torch.allclose(fn(x), layer(layer(x)) * 2)
     assert counters["frames"]["ok"] - before == (0 if fallback else 1)  # with it, neither call compiled
+
+
+def test_a_fullgraph_call_during_a_trace_compiles_rather_than_run_with_no_compiled_frame(shim):
+    threadgraph.install()
+    layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
+    fn = torch.compile(lambda x: layer(x) * 2, backend="eager", fullgraph=True)
+    x = torch.randn(2, 4)
+    fn(x), fn(x)
+    out, _ = _call_during_a_trace(fn, x, wait_for_waiter=True)  # uncompiled, it raises "found no compiled frames"
+    assert torch.allclose(out, layer(x) * 2)
+
+
+def _marked(layer):
+    """A function whose result says whether it ran compiled (0 added) or as written (1000 added)."""
+    return lambda x, *_: layer(x) + (0.0 if torch.compiler.is_compiling() else 1000.0)
+
+
+def test_an_entry_of_another_backend_does_not_count_as_cached_code_that_fits(shim):
+    threadgraph.install()
+    layer, x = Layer(4, 4), torch.randn(2, 4)
+    f = _marked(layer)
+    first = torch.compile(f, backend="eager")
+    first(x), first(x)
+    second = torch.compile(f, backend="aot_eager")  # its first call: the only entry is the other backend's
+    out, _ = _call_during_a_trace(second, x, wait_for_waiter=True)
+    assert torch.allclose(out, layer(x))  # compiled, not run as written
+    assert len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)) == 2
+
+
+def test_an_invalidated_entry_does_not_count_as_cached_code_that_fits(shim):
+    threadgraph.install()
+    layer, x = Layer(4, 4), torch.randn(2, 4)
+
+    def f(x, holder):
+        return layer(x) * holder.k + (0.0 if torch.compiler.is_compiling() else 1000.0)
+
+    fn = torch.compile(f, backend="eager")
+    gone = type("Gone", (), {"k": 2.0})
+    fn(x, gone), fn(x, gone)
+    del gone
+    gc.collect()  # its entry guarded a freed object: Dynamo invalidated it
+    kinds = [type(e.guard_manager).__name__ for e in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
+    assert kinds == ["DeletedGuardManagerWrapper"], kinds
+    fresh = type("Fresh", (), {"k": 3.0})
+    out, compiled = _call_during_a_trace(lambda x: fn(x, fresh), x, wait_for_waiter=True)
+    assert torch.allclose(out, layer(x) * 3)  # compiled, not run as written
+
+
+def test_a_thread_holding_the_compile_lock_does_not_wait_for_a_trace(shim):
+    threadgraph.install()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_window():
+        with torch.fx._symbolic_trace._new_patcher():
+            entered.set()
+            assert leave.wait(60)
+
+    other = threading.Thread(target=other_window, name="other")
+    other.start()
+    try:
+        assert entered.wait(60)
+        with torch._dynamo.convert_frame.compile_lock:  # compiling: the trace may be waiting for this lock
+            assert _fx_window.wait_for_other_traces() is False
+        assert not _fx_window.waiting()
+    finally:
+        leave.set()
+        other.join(60)
+
+
+def test_a_window_a_wait_timed_out_on_is_not_waited_for_again(shim, monkeypatch, caplog):
+    threadgraph.install()
+    monkeypatch.setattr(_fx_window, "DEFAULT_TIMEOUT_S", 0.2)
+    new_patcher = torch.fx._symbolic_trace._new_patcher
+    opened, leave = threading.Semaphore(0), threading.Event()
+
+    def windows(n):
+        for _ in range(n):
+            with new_patcher():
+                opened.release()
+                assert leave.wait(60)
+            leave.clear()
+
+    other = threading.Thread(target=windows, args=(2,), name="other")
+    other.start()
+    try:
+        assert opened.acquire(timeout=60)
+        with caplog.at_level(logging.WARNING, logger="threadgraph"):
+            started = time.monotonic()
+            assert _fx_window.wait_for_other_traces() is True  # waited out the timeout
+            assert time.monotonic() - started >= 0.2
+        assert "going on without waiting for it again" in caplog.text
+        started = time.monotonic()
+        assert _fx_window.wait_for_other_traces() is False and time.monotonic() - started < 0.1
+        leave.set()
+        assert opened.acquire(timeout=60)  # the other thread's next window: a wait waits for it again
+        assert _fx_window.wait_for_other_traces() is True
+    finally:
+        leave.set()
+        other.join(60)
+
+
+RESET_DURING_A_WAIT = textwrap.dedent("""
+    import gc, threading, time, torch, threadgraph
+    from threadgraph import _fx_window
+    from test_fx_window import Layer, ParkedTrace
+    threadgraph.install()
+    layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
+    fn = torch.compile(lambda x: layer(x) * 2, backend="eager")
+    x = torch.randn(2, 4)
+    fn(x), fn(x)
+    traced, box = ParkedTrace(), {}
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,))
+    tracer.start()
+    assert traced.tracing.wait(60)
+    caller = threading.Thread(target=lambda: box.setdefault("out", fn(x)), name="caller")
+    caller.start()
+    while "caller" not in _fx_window.waiting():
+        time.sleep(0.01)
+    torch._dynamo.reset()  # frees the cache entries the waiting call was handed
+    junk = [[bytearray(200) for _ in range(2000)] for _ in range(20)]  # reuse the freed memory
+    gc.collect()
+    traced.release.set()
+    tracer.join(60)
+    caller.join(60)
+    print("equal" if torch.allclose(box["out"], layer(x) * 2) else "differs")
+""")
+
+
+def test_a_dynamo_reset_while_a_call_waits_leaves_that_call_intact():
+    proc = subprocess.run([sys.executable, "-c", RESET_DURING_A_WAIT], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              [str(Path(__file__).resolve().parent.parent / "src"), str(Path(__file__).resolve().parent)])))
+    assert proc.returncode == 0 and proc.stdout.strip() == "equal", (proc.returncode, proc.stdout, proc.stderr[-2000:])

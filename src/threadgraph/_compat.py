@@ -13,7 +13,6 @@ import functools
 import importlib
 import inspect
 import itertools
-import logging
 import sys
 import threading
 from types import ModuleType
@@ -22,8 +21,6 @@ from typing import Any, Callable
 import torch
 
 from ._errors import UnsupportedTorchError
-
-log = logging.getLogger("threadgraph")
 
 # (import path, attribute) pairs threadgraph reads directly; a missing one is reported by name.
 # The symbols its patches replace are not listed: the registry checks each patch's own targets.
@@ -209,38 +206,6 @@ def dynamo_frame_callback() -> str | None:
     return "CatchErrorsWrapper" if cls is not None and "__call__" in vars(cls) else None
 
 
-def cached_code_fits(cache_entry: Any, frame: Any) -> bool:
-    """Whether one of a frame's cached entries (Dynamo's list, newest first, ``next()`` to the rest)
-    passes its guards on the frame's locals now."""
-    f_locals = getattr(frame, "f_locals", None)
-    entry = cache_entry if f_locals is not None else None
-    while entry is not None:
-        check = getattr(getattr(entry, "guard_manager", None), "check", None)
-        if check is None:
-            return False
-        try:
-            if check(f_locals):
-                return True
-        except Exception:  # a guard that cannot run here: the caller compiles, as without this check
-            log.debug("threadgraph: a cached entry's guards did not run on %r", frame, exc_info=True)
-            return False
-        step = getattr(entry, "next", None)
-        entry = step() if callable(step) else step
-    return False
-
-
-def run_uncompiled_once() -> Any:
-    """What a Dynamo frame callback returns to run this call of the frame as written, without
-    compiling, and its nested frames from Dynamo's cache only, keeping nothing for later calls
-    (None where ``torch._dynamo.types`` lacks the strategy types)."""
-    types = importlib.import_module("torch._dynamo.types")
-    names = ("ConvertFrameReturn", "FrameExecStrategy", "FrameAction")
-    if not all(hasattr(types, name) for name in names) or not hasattr(types.FrameAction, "RUN_ONLY"):
-        return None
-    strategy = types.FrameExecStrategy(types.FrameAction.DEFAULT, types.FrameAction.RUN_ONLY)
-    return types.ConvertFrameReturn(frame_exec_strategy=strategy, apply_to_code=False)
-
-
 def has_global_compile_lock() -> bool:
     """Dynamo's ``compile_lock``: one process-wide lock around every frame's compile."""
     convert_frame = importlib.import_module("torch._dynamo.convert_frame")
@@ -357,13 +322,16 @@ is_dynamo_compiling = _find_dynamo_compiling()
 def _find_fake_mode_check() -> Callable[[], bool]:
     key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
     get_mode = getattr(torch._C, "_get_dispatch_mode", None)
-    if key is None or get_mode is None:
-        return lambda: False
-    return lambda: get_mode(key) is not None
+    excluded = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+    python_key = getattr(getattr(torch._C, "DispatchKey", None), "Python", None)
+    if key is None or get_mode is None or excluded is None or python_key is None:
+        return lambda: False  # unknown: every op counts as device work
+    return lambda: get_mode(key) is not None and not excluded(python_key)
 
 
-# Whether a FakeTensorMode is active in the calling thread (the dispatch mode stack is per thread):
-# its ops, AOTAutograd's make_fx trace among them, run on fake tensors and do no device work.
+# Whether the calling thread's ops reach a FakeTensorMode (the dispatch mode stack is per thread):
+# they then run on fake tensors and do no device work (AOTAutograd's make_fx trace). Not under
+# ``no_dispatch()``, which Inductor's passes use to run real kernels while a fake mode is active.
 in_fake_mode = _find_fake_mode_check()
 
 

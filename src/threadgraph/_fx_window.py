@@ -13,34 +13,44 @@ remove the trace's patches (``_maybe_revert_all_patches``).
 
 ``trace_window`` wraps FX's ``_new_patcher`` (the context in which those patches live) and counts,
 per thread, the windows open. On a cache miss, the compile-frame patch calls
-``wait_for_other_traces``: while another thread's window is open the frame waits, its device slots
-given up, and when cached code fits once the trace is over, that call runs uncompiled this once
-(its nested frames from the cache) instead of compiling the same code again. Calls that hit their
-cache never wait. A thread inside a trace of its own does not wait, and a trace's fake ops pass the
-eager fence without waiting (``_fence``), so a capturing thread that waits for a trace never waits
-for a thread that waits for its capture. Limits: eager module calls of
-other threads during a trace still go through FX's wrapper; two traces at once in two threads
-break each other upstream (one ``CURRENT_PATCHER``); a miss inside a whole-step capture records
-that call's frame uncompiled.
+``instead_of_compiling``: while another thread's window is open the frame waits, its device slots
+given up, and when cached code fits once the trace is over (an entry of this backend, not
+invalidated, whose guards pass), that call runs uncompiled this once (its nested frames from the
+cache) instead of compiling the same code again. It compiles, as without the patch, inside a
+capture (the uncompiled frame's kernels would stay in the captured graph for good) and for
+``fullgraph=True`` (a call with no compiled frame fails). Calls that hit their cache never wait.
+A thread inside a trace of its own, or inside a compile (holding Dynamo's compile lock, which the
+trace may need), does not wait; a window a wait timed out on is not waited for again; a trace's
+fake ops pass the eager fence without waiting (``_fence``). Limits: the call run uncompiled sees
+``torch.compiler.is_compiling()`` False; a trace that does real fenced device work (a real
+tensor's RNG op inside ``symbolic_trace``, an op without a fake kernel run for real) while a
+capture waits for it waits for that capture: both go on after ``THREADGRAPH_GATE_TIMEOUT``, the
+trace's op failing with ``GateTimeout``; eager module calls of other threads during a trace still
+go through FX's wrapper; two traces at once in two threads break each other upstream (one
+``CURRENT_PATCHER``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator
 
-from ._gate import DEFAULT_TIMEOUT_S, released
+from . import _frame_cache
+from ._gate import DEFAULT_TIMEOUT_S, in_exclusive_section, released
 from ._tls import current_worker, doing
 
 log = logging.getLogger("threadgraph")
 
 _changed = threading.Condition()
-_open: dict[int, tuple[str, int]] = {}  # thread ident -> (thread name, windows open in it)
+_open: dict[int, tuple[str, int, int]] = {}  # thread ident -> (thread name, windows open in it, window serial)
 _waiting: dict[int, str] = {}  # thread ident -> name, of the threads waiting for others' windows
+_given_up: set[int] = set()  # serials of open windows a wait timed out on: no one waits for them again
+_serials = itertools.count(1)
 
 
 def _forget_after_fork() -> None:
@@ -49,6 +59,7 @@ def _forget_after_fork() -> None:
     _changed = threading.Condition()
     _open.clear()
     _waiting.clear()
+    _given_up.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -59,18 +70,19 @@ if hasattr(os, "register_at_fork"):
 def _window(patcher: ContextManager[Any]) -> Iterator[Any]:
     ident = threading.get_ident()
     with _changed:
-        name, depth = _open.get(ident, (threading.current_thread().name, 0))
-        _open[ident] = (name, depth + 1)
+        name, depth, serial = _open.get(ident, (threading.current_thread().name, 0, 0))
+        _open[ident] = (name, depth + 1, serial or next(_serials))
     try:
         with patcher as inner:
             yield inner
     finally:
         with _changed:
-            name, depth = _open.get(ident, (None, 1))  # absent after a fork inside the trace
+            name, depth, serial = _open.get(ident, (None, 1, 0))  # absent after a fork inside the trace
             if depth > 1:
-                _open[ident] = (name, depth - 1)
+                _open[ident] = (name, depth - 1, serial)
             else:
                 _open.pop(ident, None)
+                _given_up.discard(serial)
                 _changed.notify_all()
 
 
@@ -79,15 +91,16 @@ def trace_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     return _window(wrapped(*args, **kwargs))
 
 
-def _others(me: int) -> list[str]:
-    return [name for ident, (name, _) in _open.items() if ident != me]
+def _others(me: int) -> dict[int, str]:
+    """Serial -> thread name of the windows open in other threads that a wait would wait for."""
+    return {serial: name for ident, (name, _, serial) in _open.items() if ident != me and serial not in _given_up}
 
 
 def wait_for_other_traces() -> bool:
     """Wait until no other thread is inside an FX trace (at once when none is: one dict check);
-    whether one was."""
-    # Inside its own trace a thread goes on: a trace elsewhere may wait for what this one holds.
-    if not _open or tracing_here():
+    whether one was. Inside a trace of its own, or inside a compile (holding Dynamo's compile lock,
+    which a trace elsewhere may be waiting for), a thread goes on at once."""
+    if not _open or tracing_here() or _frame_cache.holds_compile_lock():
         return False
     me = threading.get_ident()
     with _changed:
@@ -96,19 +109,44 @@ def wait_for_other_traces() -> bool:
         return False
     state = current_worker()
     started = time.perf_counter()
-    with released(), doing(state, f"waiting for {tracing[0]}'s FX trace"):
+    names = ", ".join(sorted(set(tracing.values())))
+    with released(), doing(state, f"waiting for {names}'s FX trace"):
         with _changed:
             _waiting[me] = threading.current_thread().name
             try:
                 ended = _changed.wait_for(lambda: not _others(me), timeout=DEFAULT_TIMEOUT_S)
+                if not ended:
+                    _given_up.update(_others(me))
             finally:
                 del _waiting[me]
     if state is not None:
         state.turn_wait_seconds += time.perf_counter() - started
     if not ended:
-        log.warning("threadgraph: waited %g s for an FX trace in %s to end; going on (this call may compile "
-                    "its code again)", DEFAULT_TIMEOUT_S, ", ".join(tracing))
+        log.warning("threadgraph: waited %g s for an FX trace in %s to end; going on without waiting for it again "
+                    "(this call may compile its code again)", DEFAULT_TIMEOUT_S, names)
     return True
+
+
+def instead_of_compiling(callback: Any, frame: Any, cache_entry: Any) -> Any:
+    """On a cache miss (the compile-frame patch, before Dynamo compiles ``frame``): wait while other
+    threads trace, then what the callback returns instead of compiling (the frame run uncompiled
+    once), or None to compile."""
+    code = getattr(frame, "f_code", None)
+    entries = _frame_cache.entry_count(code) if _open else None
+    if not wait_for_other_traces():
+        return None
+    uncompiled = _frame_cache.run_uncompiled_once()
+    if uncompiled is None:
+        return None
+    if entries is not None and (_frame_cache.entry_count(code) or 0) < entries:
+        # The cache shrank while this call waited (torch._dynamo.reset()): the entries Dynamo
+        # passed in are gone, so neither a guard check nor a compile may read them.
+        return uncompiled
+    if in_exclusive_section() or _frame_cache.one_graph(callback):
+        # A capture would keep the uncompiled frame's kernels for good; a fullgraph=True call
+        # fails when none of its frames ran compiled. Both compile, as without the patch.
+        return None
+    return uncompiled if _frame_cache.cached_code_fits(cache_entry, frame, _frame_cache.backend_of(callback)) else None
 
 
 def tracing_here() -> bool:
@@ -125,4 +163,4 @@ def waiting() -> list[str]:
 def open_windows() -> dict[str, int]:
     """Thread name -> FX trace windows open in it (diagnostics and tests)."""
     with _changed:
-        return {name: depth for name, depth in _open.values()}
+        return {name: depth for name, depth, _ in _open.values()}

@@ -213,9 +213,12 @@ HAZARDS: tuple[Hazard, ...] = (
         (_gh(187589, "pull"), _gh(126024)),
         "The patch `fx_trace_window`: a cache miss in another thread while a trace's patches are in place "
         "waits for the trace to end, then, when cached code fits, runs that call uncompiled once (its nested "
-        "frames from the cache) instead of compiling the same code again; calls that hit never wait. Not "
-        "covered: eager module calls in other threads, and two traces at once in two threads (they break "
-        "each other upstream); keep plain `torch.fx.symbolic_trace` out of the time workers run.",
+        "frames from the cache) instead of compiling the same code again; inside a capture and for "
+        "`fullgraph=True` it compiles, as upstream; calls that hit never wait. Not covered: the call run "
+        "uncompiled sees `torch.compiler.is_compiling()` False; a trace doing real fenced device work while "
+        "a capture waits for it (both go on after THREADGRAPH_GATE_TIMEOUT); eager module calls in other "
+        "threads; two traces at once in two threads (they break each other upstream). Keep plain "
+        "`torch.fx.symbolic_trace` out of the time workers run.",
         _compat.fx_patcher_is_global,
     ),
     Hazard(

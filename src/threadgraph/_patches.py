@@ -139,12 +139,11 @@ def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     frame = args[0] if args else None
     code = getattr(frame, "f_code", None)
     _first_call.note_compile()  # also for a call run uncompiled: it must not settle its code's turns
-    if _fx_window.wait_for_other_traces():  # a trace's patches would be traced into this compile
-        # A miss during another thread's trace (its patched nn.Module.__call__ fails guards): when
-        # cached code fits now, this call runs uncompiled rather than compiling the same code again.
-        uncompiled = _compat.run_uncompiled_once()
-        if uncompiled is not None and _compat.cached_code_fits(args[1] if len(args) > 1 else kwargs.get("cache_entry"), frame):
-            return uncompiled
+    # A miss during another thread's FX trace (its patched nn.Module.__call__ fails guards) waits
+    # for it, then runs uncompiled once where cached code fits now (hazard global-fx-patcher).
+    uncompiled = _fx_window.instead_of_compiling(instance, frame, args[1] if len(args) > 1 else kwargs.get("cache_entry"))
+    if uncompiled is not None:
+        return uncompiled
     started = time.perf_counter()  # after the wait, which counts as waiting for a peer
     with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
         try:
