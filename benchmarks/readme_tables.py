@@ -38,7 +38,7 @@ HEADLINES = ("<!-- results-headlines:begin -->", "<!-- results-headlines:end -->
 HEADLINE_THEMES = {"fence-matrix": results_index.fence_matrix, "fence-overhead": results_index.fence_overhead,
                    "gpu-scenarios": results_index.gpu_scenarios_latest, "replay-dflash": results_index.replay,
                    "replay-dflash-gil": results_index.replay, "replay-small": results_index.replay,
-                   "replay-small-gil": results_index.replay}
+                   "replay-small-gil": results_index.replay, "dflash-trainer-startup": results_index.dflash_trainer}
 HEADLINE_FAMILIES = {"dflash-ab-": results_index.dflash_ab}  # then every theme of these, by name
 EMBEDDED_ORDER = ("default", "tiny-assets", "tiny")  # then the published shapes by size (0.6b, ..., 32b)
 COLUMNS = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
