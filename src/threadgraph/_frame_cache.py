@@ -68,7 +68,11 @@ def cached_code_fits(cache_entry: Any, frame: Any, backend: Any) -> bool:
 
 def entry_count(code: Optional[CodeType]) -> Optional[int]:
     """How many entries Dynamo's cache holds for ``code`` (None where this release cannot say)."""
-    count = getattr(torch._C._dynamo.eval_frame, "_get_total_cache_entry_count", None)
+    eval_frame = torch._C._dynamo.eval_frame
+    count = getattr(eval_frame, "_get_total_cache_entry_count", None)
+    if count is None:  # 2.11 lacks it: the debug list holds the same entries
+        listed = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+        count = None if listed is None else (lambda c: len(listed(c)))
     return None if count is None or code is None else count(code)
 
 
