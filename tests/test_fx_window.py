@@ -325,6 +325,19 @@ def test_a_window_a_wait_timed_out_on_is_not_waited_for_again(shim, monkeypatch,
         other.join(60)
 
 
+def test_an_older_entry_of_the_code_counts_as_cached_code_that_fits(shim):
+    threadgraph.install()
+    layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
+    f = lambda x: layer(x) * 2  # noqa: E731
+    fn = torch.compile(f, backend="eager", dynamic=False)
+    older, newer = torch.randn(2, 4), torch.randn(3, 4)
+    fn(older), fn(older), fn(newer), fn(newer)  # two entries; the newer one is the one Dynamo hands over
+    listed = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    assert len(listed(f.__code__)) == 2
+    out, _ = _call_during_a_trace(fn, older, wait_for_waiter=True)
+    assert torch.allclose(out, layer(older) * 2) and len(listed(f.__code__)) == 2  # nothing compiled again
+
+
 RESET_DURING_A_WAIT = textwrap.dedent("""
     import gc, threading, time, torch, threadgraph
     from threadgraph import _fx_window
@@ -352,8 +365,33 @@ RESET_DURING_A_WAIT = textwrap.dedent("""
 """)
 
 
-def test_a_dynamo_reset_while_a_call_waits_leaves_that_call_intact():
-    proc = subprocess.run([sys.executable, "-c", RESET_DURING_A_WAIT], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                              [str(Path(__file__).resolve().parent.parent / "src"), str(Path(__file__).resolve().parent)])))
+# The same, and the code compiled again by a thread with no window open before the waiter looks:
+# as many entries as before, none of them the ones the waiter was handed.
+RESET_AND_RECOMPILE = RESET_DURING_A_WAIT.replace("threadgraph.install()\n", textwrap.dedent("""\
+    threadgraph.install()
+    from threadgraph import _frame_cache
+    woke, recompiled, run_uncompiled_once = threading.Event(), threading.Event(), _frame_cache.run_uncompiled_once
+    def late():  # the waiter, woken, pauses here until the main thread compiled the code again
+        if threading.current_thread().name == "caller":
+            woke.set()
+            assert recompiled.wait(60)
+        return run_uncompiled_once()
+    _frame_cache.run_uncompiled_once = late
+""")).replace("tracer.join(60)\n", textwrap.dedent("""\
+    tracer.join(60)
+    assert woke.wait(60)
+    fn(x), fn(x)
+    recompiled.set()
+"""))
+
+
+def _run_script(script: str) -> subprocess.CompletedProcess:
+    here = Path(__file__).resolve().parent
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=here,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent / "src"), str(here)])))
+
+
+@pytest.mark.parametrize("script", [RESET_DURING_A_WAIT, RESET_AND_RECOMPILE], ids=["reset", "reset-and-recompile"])
+def test_a_dynamo_reset_while_a_call_waits_leaves_that_call_intact(script):
+    proc = _run_script(script)
     assert proc.returncode == 0 and proc.stdout.strip() == "equal", (proc.returncode, proc.stdout, proc.stderr[-2000:])

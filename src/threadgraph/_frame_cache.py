@@ -46,12 +46,27 @@ def _usable(entry: Any, backend: Any) -> bool:
     return entry_backend is backend
 
 
-def cached_code_fits(cache_entry: Any, frame: Any, backend: Any) -> bool:
-    """Whether one of a frame's cached entries (Dynamo's list, newest first, ``next()`` to the rest)
-    would run for ``backend`` and passes its guards on the frame's locals now."""
+def entries(code: Optional[CodeType]) -> Optional[list]:
+    """Dynamo's cache entries for ``code`` as they are now, newest first (None where this release
+    cannot list them). Read afresh: an entry handed to the frame callback may be freed meanwhile
+    by ``torch._dynamo.reset()``, and not every release links an entry to the next."""
+    listed = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return None if listed is None or code is None else list(listed(code))
+
+
+def compiled_codes(code: Optional[CodeType]) -> Optional[list]:
+    """The compiled code objects of ``code``'s entries: held, they tell a later look whether these
+    entries are still there (their ids cannot be reused while held)."""
+    listed = entries(code)
+    return None if listed is None else [getattr(entry, "code", None) for entry in listed]
+
+
+def cached_code_fits(frame: Any, backend: Any) -> bool:
+    """Whether one of the frame's cached entries would run for ``backend`` and passes its guards on
+    the frame's locals now."""
     f_locals = getattr(frame, "f_locals", None)
-    entry = cache_entry if f_locals is not None else None
-    while entry is not None:
+    listed = entries(getattr(frame, "f_code", None)) if f_locals is not None else None
+    for entry in listed or ():
         check = getattr(getattr(entry, "guard_manager", None), "check", None)
         if check is None:
             return False
@@ -61,19 +76,7 @@ def cached_code_fits(cache_entry: Any, frame: Any, backend: Any) -> bool:
         except Exception:  # a guard that cannot run here: the caller compiles, as without this check
             log.debug("threadgraph: a cached entry's guards did not run on %r", frame, exc_info=True)
             return False
-        step = getattr(entry, "next", None)
-        entry = step() if callable(step) else step
     return False
-
-
-def entry_count(code: Optional[CodeType]) -> Optional[int]:
-    """How many entries Dynamo's cache holds for ``code`` (None where this release cannot say)."""
-    eval_frame = torch._C._dynamo.eval_frame
-    count = getattr(eval_frame, "_get_total_cache_entry_count", None)
-    if count is None:  # 2.11 lacks it: the debug list holds the same entries
-        listed = getattr(eval_frame, "_debug_get_cache_entry_list", None)
-        count = None if listed is None else (lambda c: len(listed(c)))
-    return None if count is None or code is None else count(code)
 
 
 def run_uncompiled_once() -> Any:

@@ -127,26 +127,27 @@ def wait_for_other_traces() -> bool:
     return True
 
 
-def instead_of_compiling(callback: Any, frame: Any, cache_entry: Any) -> Any:
+def instead_of_compiling(callback: Any, frame: Any) -> Any:
     """On a cache miss (the compile-frame patch, before Dynamo compiles ``frame``): wait while other
     threads trace, then what the callback returns instead of compiling (the frame run uncompiled
     once), or None to compile."""
     code = getattr(frame, "f_code", None)
-    entries = _frame_cache.entry_count(code) if _open else None
+    before = _frame_cache.compiled_codes(code) if _open else None
     if not wait_for_other_traces():
         return None
     uncompiled = _frame_cache.run_uncompiled_once()
     if uncompiled is None:
         return None
-    if entries is not None and (_frame_cache.entry_count(code) or 0) < entries:
-        # The cache shrank while this call waited (torch._dynamo.reset()): the entries Dynamo
-        # passed in are gone, so neither a guard check nor a compile may read them.
+    now = _frame_cache.compiled_codes(code)
+    if before is not None and now is not None and any(c is not None and all(c is not n for n in now) for c in before):
+        # An entry Dynamo handed this call is gone (torch._dynamo.reset() meanwhile): compiling
+        # would read freed entries, so the frame runs uncompiled.
         return uncompiled
     if in_exclusive_section() or _frame_cache.one_graph(callback):
         # A capture would keep the uncompiled frame's kernels for good; a fullgraph=True call
         # fails when none of its frames ran compiled. Both compile, as without the patch.
         return None
-    return uncompiled if _frame_cache.cached_code_fits(cache_entry, frame, _frame_cache.backend_of(callback)) else None
+    return uncompiled if _frame_cache.cached_code_fits(frame, _frame_cache.backend_of(callback)) else None
 
 
 def tracing_here() -> bool:

@@ -141,7 +141,7 @@ def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     _first_call.note_compile()  # also for a call run uncompiled: it must not settle its code's turns
     # A miss during another thread's FX trace (its patched nn.Module.__call__ fails guards) waits
     # for it, then runs uncompiled once where cached code fits now (hazard global-fx-patcher).
-    uncompiled = _fx_window.instead_of_compiling(instance, frame, args[1] if len(args) > 1 else kwargs.get("cache_entry"))
+    uncompiled = _fx_window.instead_of_compiling(instance, frame)
     if uncompiled is not None:
         return uncompiled
     started = time.perf_counter()  # after the wait, which counts as waiting for a peer
