@@ -72,8 +72,13 @@ def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
         if out.exists():
             return json.loads(out.read_text())
         sys.stderr.write(stderr[-3000:])
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
+        return {"error": exit_error(proc.returncode, stderr)}
+
+
+def exit_error(returncode: int, stderr: str) -> str:
+    """A failed subprocess's error, as results files record it: its exit status and last stderr line."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return f"exit {returncode}: {lines[-1][:300] if lines else 'no output'}"
 
 
 def finish_cell(out_path: str, result, default=None) -> None:

@@ -285,8 +285,7 @@ def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, tas
                 sys.stderr.write(proc.stderr[-4000:])
             if row is not None:
                 return row
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            error = f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"
+            error = common.exit_error(proc.returncode, proc.stderr)
     return {"task": task, "placement": key, "configuration": label, "mode": mode, "workers": workers, "error": error}
 
 

@@ -96,8 +96,7 @@ def run_one(graphs: str, cache: Path, out_dir: Path, trainer_args: list, timeout
     results = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not results:
         sys.stderr.write(stderr[-3000:])
-        tail = [line for line in stderr.splitlines() if line.strip()]
-        return {"error": f"exit {proc.returncode}: {tail[-1][:300] if tail else 'no output'}", **given}
+        return {"error": common.exit_error(proc.returncode, stderr), **given}
     return {**json.loads(results[-1]), **recompiles(stderr), **given}
 
 

@@ -311,12 +311,9 @@ def test_a_window_a_wait_timed_out_on_is_not_waited_for_again(shim, monkeypatch,
     try:
         assert opened.acquire(timeout=60)
         with caplog.at_level(logging.WARNING, logger="threadgraph"):
-            started = time.monotonic()
-            assert _fx_window.wait_for_other_traces() is True  # waited out the timeout
-            assert time.monotonic() - started >= 0.2
-        assert "going on without waiting for it again" in caplog.text
-        started = time.monotonic()
-        assert _fx_window.wait_for_other_traces() is False and time.monotonic() - started < 0.1
+            assert _fx_window.wait_for_other_traces() is True  # it waited, and the warning says it timed out
+        assert "waited 0.2 s for an FX trace in other to end; going on without waiting for it again" in caplog.text
+        assert _fx_window.wait_for_other_traces() is False  # False: it did not wait (it returns True whenever it does)
         leave.set()
         assert opened.acquire(timeout=60)  # the other thread's next window: a wait waits for it again
         assert _fx_window.wait_for_other_traces() is True

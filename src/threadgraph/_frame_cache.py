@@ -1,9 +1,9 @@
 """Dynamo's frame callback and per-code cache, as the patch ``fx_trace_window`` reads them.
 
-The one module that knows their shapes by release: whether cached code fits a frame now, what a
-callback returns to run a frame uncompiled once, whether a callback compiles for
-``fullgraph=True``, how many entries a code's cache holds, and whether the calling thread holds
-Dynamo's compile lock. Where a release lacks a piece, each answer is the one that leaves Dynamo
+The one module that knows their shapes by release: a code's cache entries as they are now,
+whether one of them fits a frame, what a callback returns to run a frame uncompiled once, whether
+a callback compiles for ``fullgraph=True``, and whether the calling thread holds Dynamo's compile
+lock. Where a release lacks a piece, each answer is the one that leaves Dynamo
 to compile, as it would without the patch.
 """
 
@@ -54,19 +54,17 @@ def entries(code: Optional[CodeType]) -> Optional[list]:
     return None if listed is None or code is None else list(listed(code))
 
 
-def compiled_codes(code: Optional[CodeType]) -> Optional[list]:
-    """The compiled code objects of ``code``'s entries: held, they tell a later look whether these
+def compiled_codes(listed: list) -> list:
+    """The compiled code objects of cache entries: held, they tell a later look whether these
     entries are still there (their ids cannot be reused while held)."""
-    listed = entries(code)
-    return None if listed is None else [getattr(entry, "code", None) for entry in listed]
+    return [getattr(entry, "code", None) for entry in listed]
 
 
-def cached_code_fits(frame: Any, backend: Any) -> bool:
-    """Whether one of the frame's cached entries would run for ``backend`` and passes its guards on
-    the frame's locals now."""
+def cached_code_fits(listed: list, frame: Any, backend: Any) -> bool:
+    """Whether one of the frame's cache entries (``entries``, read now) would run for ``backend`` and
+    passes its guards on the frame's locals."""
     f_locals = getattr(frame, "f_locals", None)
-    listed = entries(getattr(frame, "f_code", None)) if f_locals is not None else None
-    for entry in listed or ():
+    for entry in listed if f_locals is not None else ():
         check = getattr(getattr(entry, "guard_manager", None), "check", None)
         if check is None:
             return False

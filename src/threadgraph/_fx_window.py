@@ -132,14 +132,16 @@ def instead_of_compiling(callback: Any, frame: Any) -> Any:
     threads trace, then what the callback returns instead of compiling (the frame run uncompiled
     once), or None to compile."""
     code = getattr(frame, "f_code", None)
-    before = _frame_cache.compiled_codes(code) if _open else None
+    listed = _frame_cache.entries(code) if _open else None
+    before = None if listed is None else _frame_cache.compiled_codes(listed)
     if not wait_for_other_traces():
         return None
     uncompiled = _frame_cache.run_uncompiled_once()
-    if uncompiled is None:
+    listed = _frame_cache.entries(code)
+    if uncompiled is None or listed is None:
         return None
-    now = _frame_cache.compiled_codes(code)
-    if before is not None and now is not None and any(c is not None and all(c is not n for n in now) for c in before):
+    now = _frame_cache.compiled_codes(listed)
+    if before is not None and any(c is not None and all(c is not n for n in now) for c in before):
         # An entry Dynamo handed this call is gone (torch._dynamo.reset() meanwhile): compiling
         # would read freed entries, so the frame runs uncompiled.
         return uncompiled
@@ -147,7 +149,7 @@ def instead_of_compiling(callback: Any, frame: Any) -> Any:
         # A capture would keep the uncompiled frame's kernels for good; a fullgraph=True call
         # fails when none of its frames ran compiled. Both compile, as without the patch.
         return None
-    return uncompiled if _frame_cache.cached_code_fits(frame, _frame_cache.backend_of(callback)) else None
+    return uncompiled if _frame_cache.cached_code_fits(listed, frame, _frame_cache.backend_of(callback)) else None
 
 
 def tracing_here() -> bool:
