@@ -138,17 +138,24 @@ def report(data: dict, path: Path) -> str:
     lines = [f"# DFlash trainer startup: the README's main job, {where}", "",
              f"- {data['recorded_by']}", "",
              "| run | startup s (to the last worker's first steady step) | build s | compile s per worker | "
-             "waiting for a peer's compile s per worker | recompiles | tau | steady tokens/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "waiting for a peer's compile s per worker | recompiles | tau | steady tokens/s | embedded target built with |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs_of(data).items():
         if "error" in run:
-            lines.append(f"| {name} | failed: {run['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {run['error']} | | | | | | | |")
             continue
         tau = f"{run['eval']['tau']:.2f}" if run.get("eval") else "-"
         lines.append(f"| {name} | {run['startup_s']:.1f} | {run['build_s']:.1f} | {_per_worker(run, 'compile_s')} | "
                      f"{_per_worker(run, 'peer_compile_wait_s')} | {run.get('recompiles', '-')} | "
-                     f"{tau} | {_steady(run)} |")
+                     f"{tau} | {_steady(run)} | {_built_with(run)} |")
     return "\n".join(lines) + "\n"
+
+
+def _built_with(run: dict) -> str:
+    """Where the run's embedded target came from: its build's Python and torch (the corpus is that
+    Python's standard library, so a target built elsewhere is another target, with its own tau)."""
+    versions = (run.get("target_report") or {}).get("versions")
+    return f"Python {versions['python']}, torch {versions['torch']}" if versions else "-"
 
 
 def runs_of(data: dict) -> dict:

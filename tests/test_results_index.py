@@ -63,3 +63,14 @@ def test_recency_orders_by_date_then_gpu_over_cpu_then_torch_version():
     names = ["replay-small_nvidia-h200_torch2.11.0_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-11-30.json",
              "replay-small_nvidia-h200_torch2.9.1_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-12-01.json"]
     assert sorted(names, key=results_index.recency) == [names[1], names[2], names[0], names[3]]
+
+
+def test_a_trainer_runs_startup_says_how_much_of_it_was_the_build():
+    run = {"placement": "targets cuda:0, drafters cuda:0", "baseline": {"tau_random_init": 1.01, "tau_repeat_last_token": 1.11},
+           "mode": "trees", "total_steps": 252, "eval": {"tau": 2.9}, "tokens_per_s_steady": 2.5e5,
+           "startup_s": 117.8, "build_s": 57.0}
+    (row,) = results_index.dflash_trainer({"recorded_by": "x", "Trees after X, empty Inductor cache": run})
+    assert row[1].endswith("; 250k tokens/s; startup 118 s (57 s of it the build: load, assets)")
+    del run["build_s"]
+    (row,) = results_index.dflash_trainer({"recorded_by": "x", "Trees after X, empty Inductor cache": run})
+    assert row[1].endswith("; startup 118 s")

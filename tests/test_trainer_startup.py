@@ -28,9 +28,10 @@ FAKE_TRAINER = textwrap.dedent("""
                for n in ("target-0", "target-1", "drafter-0")}
     print("progress on stdout that is not the result")
     result = {"startup_s": 3.0 if warm else 9.0, "build_s": 1.0, "workers": workers, "mode": graphs,
-              "eval": {"tau": 2.5}, "tokens_per_s_steady": 1000.0, "args": args, "warm": warm}
-    if os.environ.get("SHORT"):  # too few steps for a steady window, and no eval
-        del result["eval"], result["tokens_per_s_steady"]
+              "eval": {"tau": 2.5}, "tokens_per_s_steady": 1000.0, "args": args, "warm": warm,
+              "target_report": {"versions": {"python": "3.11.7", "torch": "2.13.0+cpu"}}}
+    if os.environ.get("SHORT"):  # too few steps for a steady window, no eval, a target given by path
+        del result["eval"], result["tokens_per_s_steady"], result["target_report"]
     print(json.dumps(result))
 """)
 
@@ -66,6 +67,7 @@ def test_each_run_starts_cold_but_the_restart_which_reuses_the_trees_cache(fake,
     assert data["env"]["torch"] and "trainer_startup.py" in data["recorded_by"]
     md = path.with_suffix(".md").read_text()
     assert "| Trees after X, empty Inductor cache | 9.0 | 1.0 | target-0 2.0, target-1 0.0, drafter-0 0.0 |" in md
+    assert md.splitlines()[-1].endswith("| 0 | 2.50 | 1000 | Python 3.11.7, torch 2.13.0+cpu |")
     err = capsys.readouterr().err
     assert "[1] startup 9.0 s, 1 of 3 workers compiled, 1 recompiles, 1000 tokens/s steady" in err
     assert "[3] startup 3.0 s, 0 of 3 workers compiled, 0 recompiles" in err
@@ -88,7 +90,7 @@ def test_a_run_too_short_for_a_steady_window_or_an_eval_is_reported_without_them
     path, data = _results(fake)
     assert list(trainer_startup.runs_of(data)) == ["whole-step, empty Inductor cache"]  # no Trees run: no restart
     assert "[1] startup 9.0 s, 1 of 3 workers compiled, 1 recompiles, - tokens/s steady" in capsys.readouterr().err
-    assert path.with_suffix(".md").read_text().rstrip().endswith("| 1 | - | - |")
+    assert path.with_suffix(".md").read_text().rstrip().endswith("| 1 | - | - | - |")
 
 
 def test_append_adds_runs_and_replaces_those_of_the_same_name(fake, capsys):
