@@ -102,8 +102,14 @@ def _trainer_run(name: str, run: dict) -> tuple:
     return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {gpus} GPU{'s' if gpus > 1 else ''}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
             f"{base['tau_repeat_last_token']:.2f}); {run['tokens_per_s_steady'] / 1e3:.0f}k tokens/s"
-            + (f"; startup {run['startup_s']:.0f} s" if run.get("startup_s") is not None else "")
-            + (f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""))
+            + _startup(run))
+
+
+def _startup(run: dict) -> str:
+    if run.get("startup_s") is None:
+        return ""
+    build = f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""
+    return f"; startup {run['startup_s']:.0f} s{build}"
 
 
 def dflash_trainer(data: dict) -> list:
