@@ -145,6 +145,30 @@ def generation_counters_are_global() -> bool:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _generation_tracker() -> Any:
+    return require("torch._dynamo.mutation_guard", "GenerationTracker")
+
+
+def process_generation() -> int:
+    """Dynamo's process-wide generation counter (``GenerationTracker.generation``: a class
+    attribute, or an attribute of one module-level instance). Read on every compiled call."""
+    return _generation_tracker().generation
+
+
+def dynamo_contexts_have_enter_hooks() -> bool:
+    """Whether Dynamo's contexts run a list of enter hooks (``enter_exit_hooks``, each returning
+    its exit) that ``RunOnlyContext``'s generation bump is one of."""
+    eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+    context = getattr(eval_frame, "_TorchDynamoContext", None)
+    if context is None or not hasattr(eval_frame, "RunOnlyContext"):
+        return False
+    try:
+        return "self.enter_exit_hooks" in inspect.getsource(context.__init__)
+    except (OSError, TypeError):
+        return False
+
+
 # The manager methods threadgraph patches to answer with the worker's generation; every other
 # manager method must reach the counters through them for the patches to be complete.
 GENERATION_READERS = ("get_curr_generation", "user_invoked_mark_step")

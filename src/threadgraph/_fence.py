@@ -162,6 +162,49 @@ def _make_fenced(original: Callable, where: Callable[[tuple, dict], Optional[int
     return fenced_call
 
 
+class FencedOp:
+    """The fence around an ATen overload's ``_op`` (what ``OpOverload.__call__`` calls), hashing as
+    the original does.
+
+    ``OpOverload.__hash__`` is ``hash(self._op)``, and Inductor's lowering table, the
+    decomposition tables and the fallback sets are dicts and sets keyed by overloads: a
+    replacement that hashed as itself would hide every entry made before ``install()`` (Inductor
+    then finds no lowering for ``aten.rand.default`` under ``fallback_random``) and every entry
+    made under it after ``uninstall()``. So the replacement is an object whose hash is the
+    original's, and overloads hash the same whether or not the fence is in place.
+    """
+
+
+    def __init__(self, original: Callable) -> None:
+        self._call = _make_fenced(original, op_device)
+        self.__threadgraph_original__ = self.__wrapped__ = original
+        self.__name__ = getattr(original, "__name__", "op")
+        self.__qualname__ = getattr(original, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __hash__(self) -> int:
+        return hash(self.__threadgraph_original__)
+
+    def __eq__(self, other: Any) -> bool:
+        return other is self or other is self.__threadgraph_original__
+
+    def __repr__(self) -> str:
+        return f"<threadgraph fence around {self.__threadgraph_original__!r}>"
+
+
+_fenced_ops: dict[int, FencedOp] = {}
+
+
+def fenced_op(original: Callable) -> FencedOp:
+    """The one :class:`FencedOp` of ``original`` for the life of the process (as ``fenced_function``)."""
+    if id(original) not in _fenced_ops:
+        _wrapped_originals.append(original)
+        _fenced_ops[id(original)] = FencedOp(original)
+    return _fenced_ops[id(original)]
+
+
 def _current_or(device: Any) -> Optional[int]:
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else None

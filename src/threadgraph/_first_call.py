@@ -116,6 +116,11 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
         return _take_turn(key, name, compiled, args, kwargs)
 
     compiled_in_turn._threadgraph_turn_key = key  # type: ignore[attr-defined]
+    # Dynamo's innermost_fn follows _torchdynamo_orig_callable only where _torchdynamo_wrapper_id
+    # is the wrapper's own id (2.13+); functools.wraps copied compiled's, which would stop it here
+    # and make torch._dynamo.run / disable wrap this wrapper as if it were the user's function.
+    compiled_in_turn._torchdynamo_orig_callable = compiled  # type: ignore[attr-defined]
+    compiled_in_turn._torchdynamo_wrapper_id = id(compiled_in_turn)  # type: ignore[attr-defined]
     return compiled_in_turn
 
 

@@ -54,11 +54,47 @@ def _worker_user_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs
     return wrapped(*args, **kwargs) if state is None else state.mark_step_counter != 0
 
 
-def _worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
+def _take_generation() -> None:
+    # The worker's generation is the process counter as its own thread last moved it: another
+    # thread's compiled calls move the counter but not this worker's generation, and a user who
+    # sets the counter back (upstream's tests do) is seen on the worker's next entry, as upstream.
     state = worker_for_current_thread()
     if state is not None:
-        state.generation += 1
+        state.generation = _compat.process_generation()
+
+
+def _worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    _take_generation()
+    return result
+
+
+def _generation_taken_on_entry() -> Callable[[], None]:
+    # An enter hook of a Dynamo context: runs after the context's own on_enter; returns its exit.
+    _take_generation()
+    return _no_exit
+
+
+def _no_exit() -> None:
+    return None
+
+
+def _worker_run_only_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # torch._dynamo.run(fn) runs cached code through RunOnlyContext, whose on_enter moves the
+    # process counter itself (install_generation_tagging_init is not called there).
+    result = wrapped(*args, **kwargs)
+    instance.enter_exit_hooks.append(_generation_taken_on_entry)
+    return result
+
+
+def _worker_mark_step_reset(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # Upstream zeroes the process's mark-step counter unless the calling thread has no tree state
+    # (it returns early there); the calling worker's counter follows the same rule.
+    had_trees = torch._C._is_key_in_tls("tree_manager_containers")
+    result = wrapped(*args, **kwargs)
+    state = current_worker()
+    if state is not None and had_trees:
+        state.mark_step_counter = 0
     return result
 
 
@@ -210,6 +246,15 @@ PATCHES = [
           changes="eval_frame calls it through its module global on every entry into a compiled frame in all three; "
                   "2.15 renamed its once-only marker and made `GenerationTracker` one dataclass instance (still "
                   "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched"),
+    Patch("worker_run_only_generation", "torch._dynamo.eval_frame:RunOnlyContext.__init__", "global-generation",
+          "2.1 - 2.15.0 (feature-detected)", _UNTIL_GEN, _NONE, _worker_run_only_generation,
+          applies=_compat.dynamo_contexts_have_enter_hooks, read=_READ + ", 2.11.0", run=_RUN,
+          changes="`RunOnlyContext.__init__` passes an `on_enter` that bumps `GenerationTracker.generation`, "
+                  "run from the context's `enter_exit_hooks` on every call, in 2.11.0 - 2.15.0"),
+    Patch("worker_mark_step_reset", f"{_TREES}:reset_cudagraph_trees", "global-generation", "2.1 - 2.15.0",
+          _UNTIL_GEN, _NONE, _worker_mark_step_reset, read=_READ, run=_RUN,
+          changes="zeroes `MarkStepBox.mark_step_counter` after shutting the calling thread's managers down, and "
+                  "returns first where the thread has no tree state (2.11+); callers import it at call time"),
     Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify", "shared-cudagraphify-state",
           "2.1 - 2.15.0", "upstream keys cudagraphify state by a TLS object that travels into backward",
           "pytorch/pytorch#184357 (per host thread, which backward defeats), pytorch/pytorch#186192",
@@ -292,13 +337,27 @@ _CAPTURE_SAME = ("2.14 split CUDAGraph.capture_end into capture_end_pre and the 
                  "calls both, and capture_begin is unchanged")
 
 
-def _rng_targets() -> list[str]:
-    return (_fence.rng_function_targets() + _fence.aten_rng_targets())[1:]  # the first is the patch's target
+_RNG_FUNCTION_TARGET = "torch:rand"
+_RNG_OP_TARGET = "torch:ops.aten.rand.default._op"
+
+
+def _rng_function_targets() -> list[str]:
+    return [t for t in _fence.rng_function_targets() if t != _RNG_FUNCTION_TARGET]
+
+
+def _rng_op_targets() -> list[str]:
+    return [t for t in _fence.aten_rng_targets() if t != _RNG_OP_TARGET]
 
 
 PATCHES += [
-    Patch("fence_rng", "torch:rand", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
-          more_targets=_rng_targets, replace=_fence.fenced_function, read=_READ, run=_RUN_FENCE, changes=_FENCE_SAME),
+    Patch("fence_rng", _RNG_FUNCTION_TARGET, "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
+          more_targets=_rng_function_targets, replace=_fence.fenced_function, read=_READ, run=_RUN_FENCE,
+          changes=_FENCE_SAME),
+    # The overloads' ``_op``, through a replacement that hashes as the original: overloads hash as
+    # their ``_op``, and Inductor's lowering and decomposition tables are keyed by overloads.
+    Patch("fence_rng_ops", _RNG_OP_TARGET, "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL,
+          _NONE, None, more_targets=_rng_op_targets, replace=_fence.fenced_op, read=_READ, run=_RUN_FENCE,
+          changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 - 2.15.0"),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
           replace=_fence.fenced_synchronize,
           read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),
@@ -308,12 +367,13 @@ PATCHES += [
           _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive, read=_READ, run=_RUN_FENCE, changes=_CAPTURE_SAME),
 ]
 
-FENCE_PATCHES = frozenset({"fence_rng", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
+FENCE_PATCHES = frozenset({"fence_rng", "fence_rng_ops", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
 
 _registry = Registry(PATCHES)
 
 
-GENERATION_PATCHES = frozenset({"worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump"})
+GENERATION_PATCHES = frozenset({"worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump",
+                                "worker_run_only_generation", "worker_mark_step_reset"})
 
 
 _EXCLUDE_ENV = "THREADGRAPH_EXCLUDE_PATCHES"

@@ -1,0 +1,36 @@
+"""Every conformance case (tests/conformance) observes the same in every placement: the main
+thread without threadgraph, the main thread with install(), a plain thread with install() and a
+CompiledWorkerThread. Each case runs in a fresh process; a difference fails and names the placement."""
+
+import pytest
+
+from tests.conformance import registry
+from tests.conformance.placements import PLACEMENTS, differences
+from tests.conformance.subprocess_run import run_case
+
+
+def _check(name):
+    row = run_case(name)
+    assert set(row["observed"]) == set(PLACEMENTS), row["stderr_tail"]
+    assert row["equal"], f"{name}: " + "; ".join(row["differences"]) + "\n" + row["stderr_tail"]
+    return row
+
+
+@pytest.mark.parametrize("name", sorted(registry.CPU_CASES))
+def test_cpu_case_same_in_every_placement(name):
+    _check(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(registry.GPU_CASES))
+def test_gpu_case_same_in_every_placement(name):
+    row = _check(name)
+    assert "error" not in row["observed"]["main"] or name == "overwritten_output", row["observed"]["main"]
+
+
+def test_a_difference_names_its_placement():
+    observed = {p: {"result": 1, "warnings": [], "skips": [], "skip_count": 0} for p in PLACEMENTS}
+    observed["thread+install"] = {"error": "RuntimeError: boom", "warnings": [], "skips": [], "skip_count": 0}
+    found = differences(observed)
+    assert [line.split(":")[0] for line in found] == ["thread+install", "thread+install"]
+    assert "RuntimeError: boom" in found[1]
