@@ -117,8 +117,9 @@ def main(argv: list[str]) -> int:
              f"Regenerate: `{record['command']}`"]
     print("\n".join(lines))
     out = common.results_dir(args.out_dir) / common.results_stem(env, "install-overhead")
-    common.write_json(out.with_suffix(".json"), record)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # results_stem ends in a date with dots before it: with_suffix would cut at the version's dot.
+    common.write_json(out.parent / f"{out.name}.json", record)
+    (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {out}.json and .md", file=sys.stderr)
     return 0
 

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cases", default="", help="comma list of case names (default: all this machine runs)")
     parser.add_argument("--write", metavar="DIR", help="write the results .json and .md into DIR")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case's process may take")
-    parser.add_argument("--jobs", type=int, default=1, help="case processes at a time (each uses the GPU too)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases at a time (each runs its placements' processes at once)")
     args = parser.parse_args(argv)
     runnable = dict(registry.CPU_CASES)
     if torch.cuda.is_available():
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if args.write:
         path = results_path(Path(args.write))
         write_results(rows, path)
-        print(f"wrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+        print(f"wrote {path} and its .md", file=sys.stderr)
     return 0 if all(row["equal"] for row in rows) else 1
 
 

@@ -68,9 +68,9 @@ def checkpoint_accounting() -> dict:
 
 def pending_backward_and_mark_step() -> dict:
     """Forwards whose backward never runs, then an explicit step boundary."""
+    torch.manual_seed(0)
     layer = torch.nn.Linear(8, 8, device="cuda")
     step = torch.compile(lambda x: layer(x).relu(), mode=TREES)
-    torch.manual_seed(0)
     record = {}
     for call in range(3):
         out = step(_rand(4, 8, grad=True))
@@ -208,6 +208,7 @@ def parameter_and_output_aliases() -> dict:
 def amp_cache() -> dict:
     """Autocast does not cache casts of graph outputs: a changed output gives a changed product."""
     add = torch.compile(lambda x: x + x, mode=TREES)
+    torch.manual_seed(0)
     for _ in range(3):
         out = add(torch.rand(4, 4, device="cuda", requires_grad=True))
     other = torch.rand(4, 4, device="cuda")
@@ -220,9 +221,9 @@ def amp_cache() -> dict:
 
 def static_inputs() -> dict:
     """Parameters are static inputs: replaced parameters re-record, a changed input batch does not."""
+    torch.manual_seed(0)
     layer = torch.nn.Linear(8, 8, device="cuda")
     run = torch.compile(layer, mode=TREES)
-    torch.manual_seed(0)
     for _ in range(3):
         run(_rand(2, 8))
     record = {"first": tree_shape()}

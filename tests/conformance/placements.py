@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import torch
 
-# In this order: threadgraph is installed from the second one on (install() is for the process).
 PLACEMENTS = ("main", "main+install", "thread+install", "worker+install")
 _SKIP_SIGN = "skipping cudagraphs"
 
@@ -114,36 +113,25 @@ def _in_worker(case: Callable[[], Any]) -> dict:
     return box["observed"]
 
 
-def run_everywhere(case: Callable[[], Any], placements: tuple[str, ...] = PLACEMENTS) -> dict[str, dict]:
-    """``{placement: observation}`` for ``case`` run in each placement, in order."""
+def run_in(placement: str, case: Callable[[], Any]) -> dict:
+    """What ``case`` shows in ``placement`` (one of :data:`PLACEMENTS`), run in this process."""
     import threadgraph
 
-    unknown = sorted(set(placements) - set(PLACEMENTS))
-    if unknown:
-        raise ValueError(f"unknown placements {unknown}; known: {PLACEMENTS}")
-    observed: dict[str, dict] = {}
-    for placement in PLACEMENTS:
-        if placement not in placements:
-            continue
-        if placement == "main":
-            if threadgraph.installed():
-                raise RuntimeError("the 'main' placement must run before threadgraph.install()")
-            try:
-                observed[placement] = _observe(case)
-            finally:
-                _clean_up()
-            continue
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; known: {PLACEMENTS}")
+    if placement == "main":
+        if threadgraph.installed():
+            raise RuntimeError("the 'main' placement runs without threadgraph, but it is installed here")
+    else:
         threadgraph.install()
-        if placement == "main+install":
-            try:
-                observed[placement] = _observe(case)
-            finally:
-                _clean_up()
-        elif placement == "thread+install":
-            observed[placement] = _in_thread(case)
-        else:
-            observed[placement] = _in_worker(case)
-    return observed
+    if placement in ("main", "main+install"):
+        try:
+            return _observe(case)
+        finally:
+            _clean_up()
+    if placement == "thread+install":
+        return _in_thread(case)
+    return _in_worker(case)
 
 
 def differences(observed: dict[str, dict], reference: str = "main") -> list[str]:

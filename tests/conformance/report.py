@@ -36,7 +36,7 @@ def render_markdown(rows: list[dict]) -> str:
     lines = [f"# Conformance: {equal} of {len(rows)} cases observe the same in every placement",
              "",
              f"torch {torch.__version__}, {machine()}, Python {platform.python_version()}, {datetime.date.today()}. "
-             "Each case ran in a fresh process, in every placement in turn; `same` means the result, the error, "
+             "Each case ran in each placement in a fresh process; `same` means the result, the error, "
              "the warnings and the CUDA-graph skip messages equal those of the main thread without threadgraph. "
              "Regenerate: `python -m tests.conformance --write benchmarks/results`.",
              "",
@@ -59,4 +59,4 @@ def write_results(rows: list[dict], path: Path) -> None:
               "equal": sum(row["equal"] for row in rows), "cases": len(rows),
               "rows": [{k: v for k, v in row.items() if k != "stderr_tail"} for row in rows]}
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    path.with_suffix(".md").write_text(render_markdown(rows), encoding="utf-8")
+    path.parent.joinpath(path.name[: -len(".json")] + ".md").write_text(render_markdown(rows), encoding="utf-8")
