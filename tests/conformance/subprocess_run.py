@@ -7,8 +7,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .placements import PLACEMENTS, differences
@@ -17,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_placement(name: str, placement: str, timeout: float) -> tuple[dict, str, str]:
-    """(observation, failure or "", stderr tail) of case ``name`` in ``placement``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    """(observation, failure or "", stderr tail) of case ``name`` in ``placement``.
+
+    Each process compiles on an empty Inductor cache of its own: what Inductor says while it
+    lowers (the TF32 hint, for one) would otherwise go to whichever placement compiled first."""
+    cache = tempfile.mkdtemp(prefix="conformance-inductor-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run([sys.executable, "-m", "tests.conformance.one_case", name, placement], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -27,6 +34,8 @@ def _run_placement(name: str, placement: str, timeout: float) -> tuple[dict, str
     except subprocess.TimeoutExpired as exc:
         stdout, stderr = (s.decode() if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr))
         failure = f"no result within {timeout:.0f} s"
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     tail = "\n".join(stderr.strip().splitlines()[-30:])
     lines = [line for line in stdout.splitlines() if line.startswith('{"case"')]
     if not failure and not lines:
