@@ -35,7 +35,8 @@ TAU = ("<!-- dflash-tau:begin -->", "<!-- dflash-tau:end -->")
 HEADLINES = ("<!-- results-headlines:begin -->", "<!-- results-headlines:end -->")
 # The themes of the README's other results, in its order, each from its newest file; a scenarios
 # file holds several device calls, of which each scenario's last counts.
-HEADLINE_THEMES = {"fence-matrix": results_index.fence_matrix, "fence-overhead": results_index.fence_overhead,
+HEADLINE_THEMES = {"conformance": results_index.conformance, "install-overhead": results_index.install_overhead,
+                   "fence-matrix": results_index.fence_matrix, "fence-overhead": results_index.fence_overhead,
                    "gpu-scenarios": results_index.gpu_scenarios_latest, "replay-dflash": results_index.replay,
                    "replay-dflash-gil": results_index.replay, "replay-small": results_index.replay,
                    "replay-small-gil": results_index.replay, "dflash-trainer-startup": results_index.dflash_trainer}

@@ -155,6 +155,18 @@ def fence_overhead(data: dict) -> list:
             for r in data["rows"]]
 
 
+def install_overhead(data: dict) -> list:
+    return [(f"{task}, main thread, CUDAGraph Trees",
+             f"install() / plain {r['ratio']:.3f} ({r['installed_p50_ms']:.3f} / {r['plain_p50_ms']:.3f} ms)")
+            for task, r in data["summary"].items()]
+
+
+def conformance(data: dict) -> list:
+    differing = [row["case"] for row in data["rows"] if not row["equal"]]
+    figure = f"{data['equal']} of {data['cases']} cases observe the same in all {len(data['placements'])} placements"
+    return [(" / ".join(data["placements"]), figure + (f"; differ: {', '.join(differing)}" if differing else ""))]
+
+
 def scenario_headline(scenario: str, result: dict) -> Optional[tuple]:
     """The headline of a run of tests/gpu_scenarios.py (its record's tag) or None: 8 training workers
     on one GPU, or one worker's step by mode; a run that failed says so."""
@@ -195,7 +207,8 @@ def gpu_scenarios_latest(data: dict) -> list:
 
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-ab": dflash_ab, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
-              "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility}
+              "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
+              "install-overhead": install_overhead, "conformance": conformance}
 
 
 def extractor(theme: str):

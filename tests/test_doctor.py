@@ -21,7 +21,8 @@ def test_doctor_reports_versions_hazards_and_patches():
     assert hazards["tls-assert"]["status"] in {"present", "absent"}  # detected, not assumed
     assert hazards["device-wide-capture"]["status"] == "assumed"
     assert hazards["global-generation"]["patches"] == [
-        "worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump"]
+        "worker_mark_step", "worker_generation", "worker_user_mark_step", "worker_generation_bump",
+        "worker_run_only_generation", "worker_mark_step_reset"]
     assert info["newer_than_verified"] is False
 
 

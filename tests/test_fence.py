@@ -465,3 +465,15 @@ def test_under_no_dispatch_an_rng_op_in_a_fake_mode_is_real_work_and_waits_for_t
         drawer.start()
         drawer.join(10)
     assert done["at"] >= capture.released_at, "the real draw ran during the capture"
+
+
+def test_overloads_hash_and_find_their_lowerings_with_the_fence_in_place(clean_patches):
+    # Inductor's tables are keyed by overloads, which hash as their _op: the fence must not move them.
+    import torch._inductor.lowering as lowering
+
+    rand = torch.ops.aten.rand.default
+    before = hash(rand)
+    assert "fence_rng_ops" in threadgraph.install()
+    assert hash(rand) == before and rand in lowering.lowerings
+    threadgraph.uninstall()
+    assert hash(rand) == before and rand in lowering.lowerings

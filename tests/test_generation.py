@@ -174,3 +174,73 @@ def test_a_manager_method_reading_a_counter_directly_is_found_and_install_warns(
     assert _compat.unpatched_generation_reads() == ["sneaky_generation"]
     with pytest.warns(threadgraph.ThreadgraphWarning, match="reads the global generation counters in sneaky_generation"):
         threadgraph.install()
+
+
+def _in_fresh_thread(fn):
+    box = {}
+
+    def body():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _process_generation():
+    return torch._dynamo.mutation_guard.GenerationTracker.generation
+
+
+def test_a_worker_sees_the_process_generation_its_own_calls_and_a_rewind_left(clean_patches):
+    # Upstream code that sets the counter back (to record a second function in the first one's
+    # generation) must be seen by a worker's manager as upstream's sees it.
+    threadgraph.install()
+
+    def calls():
+        double = torch.compile(lambda x: x * 2, backend="eager")
+        double(torch.ones(2))
+        first = (_tls.current_worker().generation, _process_generation())
+        torch._dynamo.mutation_guard.GenerationTracker.generation -= 1
+        double(torch.ones(2))
+        rewound = (_tls.current_worker().generation, _process_generation())
+        return first, rewound
+
+    first, rewound = _in_fresh_thread(calls)
+    assert first[0] == first[1]
+    assert rewound[0] == rewound[1] == first[1]  # set back by one, moved on by one: the same generation
+
+
+def test_dynamo_run_of_cached_code_moves_the_workers_generation(clean_patches):
+    threadgraph.install()
+
+    def calls():
+        double = torch.compile(lambda x: x * 2, backend="eager")
+        double(torch.ones(2))
+        frozen = torch._dynamo.run(double)
+        before = _tls.current_worker().generation
+        frozen(torch.ones(2))
+        return before, _tls.current_worker().generation, _process_generation()
+
+    before, after, process = _in_fresh_thread(calls)
+    assert after == process and after != before
+
+
+def test_resetting_the_trees_zeroes_the_calling_workers_mark_step(clean_patches):
+    threadgraph.install()
+
+    def calls():
+        threadgraph.ensure_cudagraph_tls()
+        torch.compiler.cudagraph_mark_step_begin()
+        marked = _tls.current_worker().mark_step_counter
+        trees.reset_cudagraph_trees()
+        return marked, _tls.current_worker().mark_step_counter
+
+    marked, after_reset = _in_fresh_thread(calls)
+    assert marked == -1 and after_reset == 0

@@ -163,10 +163,26 @@ def dynamo_contexts_have_enter_hooks() -> bool:
     context = getattr(eval_frame, "_TorchDynamoContext", None)
     if context is None or not hasattr(eval_frame, "RunOnlyContext"):
         return False
+    return _source_has(context.__init__, "self.enter_exit_hooks")
+
+
+def _source_has(owner: Any, text: str) -> bool:
     try:
-        return "self.enter_exit_hooks" in inspect.getsource(context.__init__)
+        return text in inspect.getsource(owner)
     except (OSError, TypeError):
         return False
+
+
+def overloads_hash_their_op() -> bool:
+    """Whether an ATen overload hashes as its ``_op`` (so replacing ``_op`` changes its hash)."""
+    return _source_has(torch._ops.OpOverload.__hash__, "self._op")
+
+
+def dynamo_checks_wrapper_ids() -> bool:
+    """Whether Dynamo's ``innermost_fn`` follows a wrapper only when its ``_torchdynamo_wrapper_id``
+    is the wrapper's own id."""
+    eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+    return _source_has(getattr(eval_frame, "innermost_fn", None), "_torchdynamo_wrapper_id")
 
 
 # The manager methods threadgraph patches to answer with the worker's generation; every other

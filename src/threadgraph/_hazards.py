@@ -69,7 +69,15 @@ HAZARDS: tuple[Hazard, ...] = (
         f"2.11.0 (measured: 3 training threads on one GPU); {READ}",
         (),
         "Per-worker counters live in torch's C++ thread-local stash, which autograd copies into "
-        "its device threads, so a worker's backward reads its own.",
+        "its device threads, so a worker's backward reads its own. A worker's generation is the process "
+        "counter as the worker's own thread last moved it (every entry into compiled code, and each call "
+        "through `torch._dynamo.run`, `worker_run_only_generation`), so code that sets "
+        "`GenerationTracker.generation` back, as upstream's tests do to record a second function in the "
+        "first one's generation, is seen exactly as upstream sees it; `reset_cudagraph_trees()` zeroes the "
+        "calling worker's mark-step counter where upstream zeroes the process's (`worker_mark_step_reset`). "
+        "Upstream's `test_checkpointing_resets_persistent_refs` (one live block where two were expected) "
+        "and `test_frozen_fn` (a frozen call recorded a new graph) failed under `install()` on 2.11.0, also "
+        "on the main thread, while the worker counted its own increments instead.",
         _compat.generation_counters_are_global,
     ),
     Hazard(
@@ -243,6 +251,38 @@ HAZARDS: tuple[Hazard, ...] = (
         (),
         "A `WorkerGroup` runs its workers' `setup()`s one at a time and starts no `step()` before "
         "all have returned.",
+    ),
+    Hazard(
+        "overload-hash",
+        "An ATen overload hashes as the callable it dispatches to (`OpOverload.__hash__` is "
+        "`hash(self._op)`), and Inductor's lowering table, its decomposition tables and fallback sets are "
+        "keyed by overloads: replacing an overload's `_op` with a wrapper of another hash hides every "
+        "entry made before, and after restoring, every entry made meanwhile. Under `fallback_random` with "
+        "no implicit fallbacks, Inductor then finds no lowering for `aten.rand.default` "
+        "(`MissingOperatorWithoutDecomp`: upstream's `test_rng_trees` and `test_rng_non_trees` failed "
+        "under `install()` on 2.11.0, on the main thread too).",
+        "detected: `OpOverload.__hash__` hashes `self._op`",
+        "2.1 - 2.15.0 (any patch of `_op`)",
+        "2.11.0 (measured on an H200), 2.13.0 (CPU test); 2.13.0, 2.14.1 (source)",
+        (),
+        "The fence's overload patch `fence_rng_ops` replaces `_op` with an object that hashes and compares "
+        "as the original, so every overload hashes the same with the fence in place or not.",
+        _compat.overloads_hash_their_op,
+    ),
+    Hazard(
+        "dynamo-wrapper-chain",
+        "Dynamo finds the user's function under its own wrappers (`innermost_fn`) only through wrappers "
+        "whose `_torchdynamo_wrapper_id` is their own id (2.13+); a wrapper built with `functools.wraps` "
+        "copies the compiled function's attributes, ends the search at itself, and "
+        "`torch._dynamo.run(fn)` then raises \"compile_wrapper already has a get_compiler_config "
+        "attribute\".",
+        "detected: `innermost_fn` checks `_torchdynamo_wrapper_id`",
+        "2.13 - 2.15.0",
+        "2.13.0 (CPU conformance case); 2.13.0, 2.14.1 (source)",
+        (),
+        "The first-call turn wrapper (`first_call_in_turn`) names the compiled function as what it wraps, "
+        "with its own id, so Dynamo's search passes through it.",
+        _compat.dynamo_checks_wrapper_ids,
     ),
 )
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import _compat, _fence, _first_call, _fx_window
+from . import _compat, _fence, _first_call, _fx_window, _generation
 from ._errors import ThreadgraphWarning
 from ._gate import gate_for, released
 from ._registry import Patch, Registry, patch_names
@@ -33,69 +33,6 @@ def _lazy_tls(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> An
     if not hasattr(local, attr_name) and not torch._C._is_key_in_tls(attr_name):
         ensure_cudagraph_tls()
     return wrapped(*args, **kwargs)
-
-
-def _worker_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    state = worker_for_current_thread()
-    if state is None:
-        return wrapped(*args, **kwargs)
-    # Counts down, like upstream, to stay distinct from the generation counter.
-    state.mark_step_counter -= 1
-    return None
-
-
-def _worker_curr_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    state = current_worker()
-    return wrapped(*args, **kwargs) if state is None else state.current_generation()
-
-
-def _worker_user_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    state = current_worker()
-    return wrapped(*args, **kwargs) if state is None else state.mark_step_counter != 0
-
-
-def _take_generation() -> None:
-    # The worker's generation is the process counter as its own thread last moved it: another
-    # thread's compiled calls move the counter but not this worker's generation, and a user who
-    # sets the counter back (upstream's tests do) is seen on the worker's next entry, as upstream.
-    state = worker_for_current_thread()
-    if state is not None:
-        state.generation = _compat.process_generation()
-
-
-def _worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    _take_generation()
-    return result
-
-
-def _generation_taken_on_entry() -> Callable[[], None]:
-    # An enter hook of a Dynamo context: runs after the context's own on_enter; returns its exit.
-    _take_generation()
-    return _no_exit
-
-
-def _no_exit() -> None:
-    return None
-
-
-def _worker_run_only_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    # torch._dynamo.run(fn) runs cached code through RunOnlyContext, whose on_enter moves the
-    # process counter itself (install_generation_tagging_init is not called there).
-    result = wrapped(*args, **kwargs)
-    instance.enter_exit_hooks.append(_generation_taken_on_entry)
-    return result
-
-
-def _worker_mark_step_reset(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    # Upstream zeroes the process's mark-step counter unless the calling thread has no tree state
-    # (it returns early there); the calling worker's counter follows the same rule.
-    had_trees = torch._C._is_key_in_tls("tree_manager_containers")
-    result = wrapped(*args, **kwargs)
-    state = current_worker()
-    if state is not None and had_trees:
-        state.mark_step_counter = 0
-    return result
 
 
 class _NoWorker:
@@ -213,6 +150,7 @@ _TREES = "torch._inductor.cudagraph_trees"
 _MANAGER = f"{_TREES}:CUDAGraphTreeManager"
 _READ = "2.13.0, 2.14.1, 2.15.0"
 _RUN = "CPU tests on 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); GPU tests on 2.11.0 (NVIDIA H200)"
+_RUN_NEW = "CPU tests on 2.13.0 (2 cores, no GPU); GPU conformance suite on 2.11.0 (NVIDIA H200)"
 _RUN_CPU_SIM = "CPU tests on 2.13.0, 2.14.1, 2.15.0 with 2.12's get_obj simulated; GPU tests on 2.11.0 (NVIDIA H200)"
 _UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15.0)"
 _UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15.0)"
@@ -235,24 +173,24 @@ PATCHES = [
           _lazy_tls, applies=_compat.get_obj_asserts, read=_READ, run=_RUN_CPU_SIM,
           changes="not applied on 2.13+ (`_initialize_tls` present); 2.15 changed only a type annotation"),
     Patch("worker_mark_step", f"{_TREES}:mark_step_begin", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN, _NONE,
-          _worker_mark_step, read=_READ, run=_RUN,
+          _generation.worker_mark_step, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0: decrements the class attribute `MarkStepBox.mark_step_counter`"),
     Patch("worker_generation", f"{_MANAGER}.get_curr_generation", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN,
-          _NONE, _worker_curr_generation, read=_READ, run=_RUN, changes=_GEN_SAME),
+          _NONE, _generation.worker_curr_generation, read=_READ, run=_RUN, changes=_GEN_SAME),
     Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", "global-generation", "2.1 - 2.15.0",
-          _UNTIL_GEN, _NONE, _worker_user_mark_step, read=_READ, run=_RUN, changes=_GEN_SAME),
+          _UNTIL_GEN, _NONE, _generation.worker_user_mark_step, read=_READ, run=_RUN, changes=_GEN_SAME),
     Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", "global-generation",
-          "2.1 - 2.15.0", _UNTIL_GEN, _NONE, _worker_generation_bump, read=_READ, run=_RUN,
+          "2.1 - 2.15.0", _UNTIL_GEN, _NONE, _generation.worker_generation_bump, read=_READ, run=_RUN,
           changes="eval_frame calls it through its module global on every entry into a compiled frame in all three; "
                   "2.15 renamed its once-only marker and made `GenerationTracker` one dataclass instance (still "
                   "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched"),
     Patch("worker_run_only_generation", "torch._dynamo.eval_frame:RunOnlyContext.__init__", "global-generation",
-          "2.1 - 2.15.0 (feature-detected)", _UNTIL_GEN, _NONE, _worker_run_only_generation,
-          applies=_compat.dynamo_contexts_have_enter_hooks, read=_READ + ", 2.11.0", run=_RUN,
+          "2.1 - 2.15.0 (feature-detected)", _UNTIL_GEN, _NONE, _generation.worker_run_only_generation,
+          applies=_compat.dynamo_contexts_have_enter_hooks, read="2.13.0, 2.14.1", run=_RUN_NEW,
           changes="`RunOnlyContext.__init__` passes an `on_enter` that bumps `GenerationTracker.generation`, "
-                  "run from the context's `enter_exit_hooks` on every call, in 2.11.0 - 2.15.0"),
+                  "run from the context's `enter_exit_hooks` on every call, in 2.13.0 and 2.14.1 (and 2.11.0, run)"),
     Patch("worker_mark_step_reset", f"{_TREES}:reset_cudagraph_trees", "global-generation", "2.1 - 2.15.0",
-          _UNTIL_GEN, _NONE, _worker_mark_step_reset, read=_READ, run=_RUN,
+          _UNTIL_GEN, _NONE, _generation.worker_mark_step_reset, read="2.13.0, 2.14.1", run=_RUN_NEW,
           changes="zeroes `MarkStepBox.mark_step_counter` after shutting the calling thread's managers down, and "
                   "returns first where the thread has no tree state (2.11+); callers import it at call time"),
     Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify", "shared-cudagraphify-state",
@@ -357,7 +295,7 @@ PATCHES += [
     # their ``_op``, and Inductor's lowering and decomposition tables are keyed by overloads.
     Patch("fence_rng_ops", _RNG_OP_TARGET, "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL,
           _NONE, None, more_targets=_rng_op_targets, replace=_fence.fenced_op, read=_READ, run=_RUN_FENCE,
-          changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 - 2.15.0"),
+          changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 and 2.14.1 (read)"),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
           replace=_fence.fenced_synchronize,
           read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),

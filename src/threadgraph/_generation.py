@@ -1,0 +1,80 @@
+"""Per-worker generations (hazard global-generation): the wrappers that keep CUDAGraph Trees'
+mark-step and generation counters per worker, as upstream keeps them for the process.
+
+A worker's mark-step counter is its own; its generation is the process counter as the worker's
+own thread last moved it. Both live in the worker's ``WorkerState``, in torch's C++ stash, so its
+backward on autograd's device thread reads them too. The patches that apply these are in
+``_patches.PATCHES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import _compat
+from ._tls import current_worker, worker_for_current_thread
+
+
+def worker_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = worker_for_current_thread()
+    if state is None:
+        return wrapped(*args, **kwargs)
+    # Counts down, like upstream, to stay distinct from the generation counter.
+    state.mark_step_counter -= 1
+    return None
+
+
+def worker_curr_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = current_worker()
+    return wrapped(*args, **kwargs) if state is None else state.current_generation()
+
+
+def worker_user_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state = current_worker()
+    return wrapped(*args, **kwargs) if state is None else state.mark_step_counter != 0
+
+
+def take_generation() -> None:
+    # The worker's generation is the process counter as its own thread last moved it: another
+    # thread's compiled calls move the counter but not this worker's generation, and a user who
+    # sets the counter back (upstream's tests do) is seen on the worker's next entry, as upstream.
+    state = worker_for_current_thread()
+    if state is not None:
+        state.generation = _compat.process_generation()
+
+
+def worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    take_generation()
+    return result
+
+
+def generation_taken_on_entry() -> Callable[[], None]:
+    # An enter hook of a Dynamo context: runs after the context's own on_enter; returns its exit.
+    take_generation()
+    return no_exit
+
+
+def no_exit() -> None:
+    return None
+
+
+def worker_run_only_generation(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # torch._dynamo.run(fn) runs cached code through RunOnlyContext, whose on_enter moves the
+    # process counter itself (install_generation_tagging_init is not called there).
+    result = wrapped(*args, **kwargs)
+    instance.enter_exit_hooks.append(generation_taken_on_entry)
+    return result
+
+
+def worker_mark_step_reset(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # Upstream zeroes the process's mark-step counter unless the calling thread has no tree state
+    # (it returns early there); the calling worker's counter follows the same rule.
+    had_trees = torch._C._is_key_in_tls("tree_manager_containers")
+    result = wrapped(*args, **kwargs)
+    state = current_worker()
+    if state is not None and had_trees:
+        state.mark_step_counter = 0
+    return result
