@@ -6,6 +6,8 @@ whatever differs between placements is a difference a user would see.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._inductor.config as inductor_config
 
@@ -84,19 +86,29 @@ def pending_backward_and_mark_step() -> dict:
 
 
 def overwritten_output() -> dict:
-    """An output read after a later step replayed its graph raises, with upstream's message."""
+    """Outputs of a warm-up and of a recording, read after a later step ran the function again, raise
+    with upstream's message; the newest output reads fine."""
     double = torch.compile(lambda x: x * 2, mode=TREES)
     x = torch.ones(4, device="cuda")
+    outs = []
     for _ in range(3):
         torch.compiler.cudagraph_mark_step_begin()
-        first = double(x)
-    torch.compiler.cudagraph_mark_step_begin()
-    double(x)
-    try:
-        first + 1
-    except RuntimeError as exc:
-        return {"raised": str(exc).splitlines()[0]}
-    return {"raised": None}
+        outs.append(double(x))
+    read = []
+    for out in outs:
+        try:
+            read.append(values(out + 1))
+        except RuntimeError as exc:
+            read.append(str(exc).splitlines()[0])
+    return {"reads": read}
+
+
+def _without_partitions() -> object:
+    # Graph partitioning (where this torch has it) graphs the CUDA part of a graph and runs the
+    # rest outside; without it a whole graph is skipped, with a message saying why.
+    if hasattr(inductor_config, "graph_partition"):
+        return inductor_config.patch(graph_partition=False)
+    return contextlib.nullcontext()
 
 
 def mutated_input_skip() -> dict:
@@ -109,20 +121,29 @@ def mutated_input_skip() -> dict:
 
 
 def cpu_input_skip() -> dict:
-    """A CPU tensor among the inputs keeps the graph off CUDA graphs."""
-    mixed = torch.compile(lambda x, y: (x + 1, y + 2), mode=TREES)
-    outs = [mixed(torch.ones(4, device="cuda"), torch.ones(4)) for _ in range(3)][-1]
-    return {"values": [values(o) for o in outs], "trees": tree_shape()}
+    """A CPU tensor among the inputs: graphed in parts where partitions exist, skipped whole without."""
+    record = {}
+    for name, context in (("default", contextlib.nullcontext()), ("no partitions", _without_partitions())):
+        torch._dynamo.reset()
+        with context:
+            mixed = torch.compile(lambda x, y: (x + 1, y + 2), mode=TREES)
+            outs = [mixed(torch.ones(4, device="cuda"), torch.ones(4)) for _ in range(3)][-1]
+        record[name] = {"values": [values(o) for o in outs], "trees": tree_shape()}
+    return record
 
 
 @inductor_config.patch("triton.cudagraph_skip_dynamic_graphs", True)
 def dynamic_shape_skip() -> dict:
     """With dynamic shapes skipped (a decorator's config patch), a dynamic graph is not graphed."""
-    add = torch.compile(lambda x, y: x + y, mode=TREES, dynamic=True)
-    out = None
-    for n in (5, 7, 9):
-        out = add(torch.ones(n, device="cuda"), torch.ones(n, device="cuda"))
-    return {"value": values(out), "trees": tree_shape()}
+    record = {}
+    for name, context in (("default", contextlib.nullcontext()), ("no partitions", _without_partitions())):
+        torch._dynamo.reset()
+        with context:
+            add = torch.compile(lambda x, y: x + y, mode=TREES, dynamic=True)
+            for n in (5, 7, 9):
+                out = add(torch.ones(n, device="cuda"), torch.ones(n, device="cuda"))
+        record[name] = {"value": values(out), "trees": tree_shape()}
+    return record
 
 
 def _rng_runs() -> dict:
