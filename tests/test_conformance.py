@@ -26,6 +26,8 @@ _SHOWS = {
     "overwritten_output": lambda seen: [("overwritten by a subsequent run" in str(r)) for r in seen["result"]["reads"]]
     == [True, True, False],
     "mutated_input_skip": lambda seen: any("mutated inputs" in line for line in seen["skips"]),
+    "cpu_input_skip": lambda seen: any("cpu device" in line for line in seen["skips"]),
+    "dynamic_shape_skip": lambda seen: any("symbolic shapes" in line for line in seen["skips"]),
     "pending_backward_and_mark_step": lambda seen: any("pending, uninvoked backwards" in w for w in seen["warnings"]),
     "checkpoint_accounting": lambda seen: seen["result"]["trees"]["checkpoints"] == 2,
     "rng_trees_fallback_random": lambda seen: seen["result"]["reseeded_runs_equal"],
