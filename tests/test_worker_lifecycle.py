@@ -209,3 +209,43 @@ def test_at_exit_a_worker_blocked_on_its_groups_queue_wakes_and_a_non_daemon_one
     assert "teardown finisher after 200 steps" in proc.stdout and "teardown consumer" in proc.stdout, proc.stdout
     assert "exiting with 1 worker(s) running (consumer)" in proc.stderr
 
+
+
+CTRL_C_TWICE = textwrap.dedent("""
+    import logging, os, signal, sys, threading, time
+    from threadgraph import CompiledWorkerThread, WorkerGroup
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # CI starts jobs with SIGINT ignored
+    never = threading.Event()
+
+    class Blocked(CompiledWorkerThread):
+        def step(self):
+            never.wait()  # blocked in step(), deaf to stop(): only the process's end frees it
+
+    class Quick(CompiledWorkerThread):
+        def step(self):
+            time.sleep(0.01)
+
+    group = WorkerGroup([Blocked("cpu", name="blocked"), Quick("cpu", name="quick")])
+    group.start()
+    for delay in (1.0, 2.5):  # the first Ctrl-C, then a second one during the wait it starts
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        group.join()
+    except KeyboardInterrupt:
+        print("join raised KeyboardInterrupt", flush=True)
+""")
+
+
+def test_a_second_ctrl_c_leaves_a_wait_for_a_worker_blocked_in_step_and_exit_does_not_wait_again():
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_TWICE], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    waiting = [line for line in out.splitlines() if "waiting for" in line]
+    assert waiting and "interrupted; stopping 2 workers" in waiting[0], out
+    assert "blocked (warmup steps for" in waiting[0] and "quick" not in waiting[0].split("waiting for")[1], out
+    assert "press Ctrl-C again to stop waiting" in waiting[0], out
+    assert "stopped waiting; blocked left running" in out, out
+    assert "join raised KeyboardInterrupt" in out, out
+    assert "interpreter is exiting" not in out + proc.stderr, out  # the exit hook does not wait for it again

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional
 from ._errors import GroupStopped, WorkerError
 from ._gate import released
 from ._tls import wait_for_thread_exit
-from ._worker import CompiledWorkerThread, _add_note
+from ._worker import CompiledWorkerThread, add_note, wait_stopped
 
 log = logging.getLogger("threadgraph")
 
@@ -151,8 +151,7 @@ class WorkerGroup:
         except BaseException as exc:  # the started ones would wait for the others' setups forever
             self._start_error = exc
             self._fail_all(exc)
-            for worker in self.workers:
-                worker._wait_gone()
+            wait_stopped(self.workers, f"the group failed to start ({exc!r})")
             raise
         return self
 
@@ -193,17 +192,16 @@ class WorkerGroup:
                     threading.Thread.join(worker, 0.2 if left is None else min(0.2, left))
                 wait_for_thread_exit(worker)
         except KeyboardInterrupt:
-            log.warning("threadgraph: interrupted; stopping %d workers", len(self.workers))
             self._fail_all(KeyboardInterrupt())
-            for worker in self.workers:
-                worker._wait_gone()  # not Thread.join: the interrupt may have left one reporting itself stopped
+            # not Thread.join: the interrupt may have left one reporting itself stopped
+            wait_stopped(self.workers, f"interrupted; stopping {len(self.workers)} workers")
             raise
         failed = self._first_failure
         if failed is not None:
             others = [w for w in self.workers if w is not failed and w.exception is not None]
             error = failed._as_worker_error()
             for other in others:
-                _add_note(error, f"also failed: {other.name}: {other.exception!r}")
+                add_note(error, f"also failed: {other.name}: {other.exception!r}")
             raise error from failed.exception
 
     def __enter__(self) -> "WorkerGroup":
@@ -213,10 +211,10 @@ class WorkerGroup:
         if exc is not None:
             self._fail_all(exc)
             named = isinstance(exc, WorkerError)  # join() raised it, naming every failed worker already
+            wait_stopped(self.workers, f"the with-block raised {type(exc).__name__}")
             for worker in self.workers:
-                worker._wait_gone()
                 if worker.exception is not None and not named:  # the body's exception carries theirs
-                    _add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
+                    add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
             return None
         self.join()
 
@@ -234,5 +232,5 @@ class WorkerGroup:
                 callback(error)
             except BaseException as exc:  # a broken callback must not keep peers blocked
                 log.error("threadgraph: failure callback %r raised %r", callback, exc)
-                _add_note(error, f"failure callback {callback!r} raised {exc!r}")
+                add_note(error, f"failure callback {callback!r} raised {exc!r}")
 

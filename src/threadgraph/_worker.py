@@ -28,11 +28,45 @@ EXIT_WAIT_S = 30.0  # how long interpreter exit waits for workers still running,
 _running: "weakref.WeakSet[CompiledWorkerThread]" = weakref.WeakSet()
 
 
+NOTICE_EVERY_S = 10.0  # how often a wait after an interrupt or failure says what it still waits for
+
+
+def wait_stopped(workers: "list[CompiledWorkerThread]", why: str) -> None:
+    """After an interrupt or a failure (``why``), with the workers asked to stop: wait until each
+    one's ``run()`` has returned and its OS thread is gone, saying at once and every
+    NOTICE_EVERY_S seconds which ones are still running, what each is doing, and that Ctrl-C stops
+    the wait. A Ctrl-C here abandons the workers still running (left running, and not waited for
+    again at exit) and propagates."""
+    pending = [w for w in workers if w.ident is not None and not w._abandoned]
+    said = None
+    try:
+        while pending:
+            pending = [w for w in pending if not w._wait_gone(0.1)]
+            now = time.monotonic()
+            if pending and (said is None or now - said >= NOTICE_EVERY_S):
+                said = now
+                log.warning("threadgraph: %s; waiting for %s to stop; press Ctrl-C again to stop waiting and leave "
+                            "them running", why, ", ".join(_doing(w) for w in pending))
+    except KeyboardInterrupt:
+        for worker in pending:
+            worker._abandoned = True
+        if pending:
+            log.warning("threadgraph: stopped waiting; %s left running (the process may not exit cleanly while "
+                        "they run)", ", ".join(w.name for w in pending))
+        raise
+
+
+def _doing(worker: "CompiledWorkerThread") -> str:
+    activity, seconds = worker.activity
+    return f"{worker.name} ({activity} for {seconds:.0f} s)"
+
+
 def _stop_at_exit() -> None:
     """At interpreter exit, before daemon threads are frozen mid-step (torch can abort the process
     then), stop the daemon workers still running and wait for them a while, as concurrent.futures
-    does. Non-daemon workers are left to finish: Python waits for them itself."""
-    workers = [w for w in list(_running) if w.daemon and w.is_alive()]
+    does. Non-daemon workers are left to finish: Python waits for them itself; workers a Ctrl-C
+    already stopped waiting for are not waited for again."""
+    workers = [w for w in list(_running) if w.daemon and w.is_alive() and not w._abandoned]
     if not workers:
         return
     log.warning("threadgraph: the interpreter is exiting with %d worker(s) running (%s); stopping them",
@@ -114,6 +148,7 @@ class CompiledWorkerThread(threading.Thread):
         self._exception: Optional[BaseException] = None
         self._phase = "start"
         self._group: Optional["WorkerGroup"] = None
+        self._abandoned = False  # a Ctrl-C stopped the wait for it (wait_stopped): never waited for again
 
     # -- to override ---------------------------------------------------------------------
     def setup(self) -> None:
@@ -155,9 +190,8 @@ class CompiledWorkerThread(threading.Thread):
         try:
             super().join(timeout)
         except KeyboardInterrupt:
-            log.warning("threadgraph: interrupted; stopping worker %s", self.name)
             self._stop_with_group()
-            self._wait_gone()
+            wait_stopped([self], "interrupted")
             raise
         if self.is_alive():
             return
@@ -249,7 +283,7 @@ class CompiledWorkerThread(threading.Thread):
             if error is None:
                 error, failed_in = exc, "teardown"
             else:
-                _add_note(error, f"teardown of {self.name} also failed: {exc!r}")
+                add_note(error, f"teardown of {self.name} also failed: {exc!r}")
         finally:
             self._copy_startup_stats()
             self.worker_state.begin("failed" if error is not None else "finished")
@@ -336,7 +370,7 @@ def _clear_capture_conflict(exc: BaseException, device: torch.device) -> BaseExc
     return clear
 
 
-def _add_note(error: BaseException, note: str) -> None:
+def add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:  # Python 3.10
