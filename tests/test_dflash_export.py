@@ -186,3 +186,74 @@ def test_the_module_entry_point_exports(random_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"wrote speculators drafter to {tmp_path / 'spec'}" in proc.stdout
     assert {p.name for p in (tmp_path / "spec").iterdir()} == {"config.json", "model.safetensors"}
+
+
+def _corrupt_copy(run, tmp_path, how):
+    """A copy of the random run's checkpoint damaged in one way; returns its step directory."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    step = copy / "checkpoints" / "step_00000007"
+    if how == "sha":
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"][WEIGHTS]["sha256"] = "0" * 64
+        (step / "manifest.json").write_text(json.dumps(manifest))
+    elif how == "manifest":
+        (step / "manifest.json").write_text("{not json")
+    elif how == "bitflip":
+        data = bytearray((step / WEIGHTS).read_bytes())
+        data[-5] ^= 0xFF
+        (step / WEIGHTS).write_bytes(bytes(data))
+    elif how == "truncated":
+        data = (step / WEIGHTS).read_bytes()
+        (step / WEIGHTS).write_bytes(data[: len(data) // 2])
+    return step
+
+
+@pytest.mark.parametrize("how, says", [
+    ("sha", r"SHA-256 differs from the one in .*manifest.json"),
+    ("manifest", r"manifest.json is corrupt"),
+    ("bitflip", r"SHA-256 differs from the one in .*manifest.json"),
+    ("truncated", r"model.safetensors is corrupt: \d+ bytes"),
+])
+def test_the_exporter_refuses_what_resume_refuses_with_one_line_and_exit_2(random_run, tmp_path, capsys, how, says):
+    run, _, _ = random_run
+    step = _corrupt_copy(run, tmp_path, how)
+    assert main(["--checkpoint", str(step), "--format", "zlab", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: checkpoint"), err
+    import re
+
+    assert re.search(says, err[0]), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_exporter_refuses_non_finite_weights_even_with_a_matching_manifest(random_run, tmp_path, capsys):
+    from examples.dflash_trainer.checkpoint import save_checkpoint, read_state
+
+    run, _, drafter = random_run
+    step = run / "checkpoints" / "step_00000007"
+    with torch.no_grad():
+        broken = {k: v.clone() for k, v in drafter.state_dict().items()}
+        name = next(k for k, v in broken.items() if v.is_floating_point())
+        broken[name].view(-1)[0] = float("inf")
+    state = read_state(step)
+    root = tmp_path / "ckpt"
+    # A checkpoint written properly (its manifest matches) of weights that diverged.
+    with torch.no_grad():
+        original = {k: v.clone() for k, v in drafter.state_dict().items()}
+        drafter.load_state_dict(broken)
+        try:
+            written = save_checkpoint(root, 7, drafter, None, None, state["extra"])
+        finally:
+            drafter.load_state_dict(original)
+    assert main(["--checkpoint", str(written), "--format", "zlab", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"holds non-finite values (inf or NaN) in {name}" in err and "export an earlier step directory" in err
+
+
+def test_an_out_that_is_a_file_gets_one_line(random_run, tmp_path, capsys):
+    run, _, _ = random_run
+    (tmp_path / "afile").write_text("x")
+    assert main(["--checkpoint", str(run), "--format", "zlab", "--out", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {tmp_path / 'afile'} is a file, not a directory; choose a new directory"]

@@ -213,8 +213,8 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
             raise CheckpointError(f"no checkpoint at {path}: neither {path / WEIGHTS} nor "
                                   f"{path / LATEST} exists; check the path or start without resume")
         path = found
-    manifest = _verified(path)
-    weights = _read(path / WEIGHTS, lambda f: load_file(str(f), device="cpu"))
+    manifest = verified(path)
+    weights = read_weights(path)
     state = read_state(path)
     if int(state["step"]) != int(manifest["step"]):
         raise CheckpointError(f"checkpoint file {path / STATE} is step {state['step']} but {path / MANIFEST} "
@@ -230,6 +230,11 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
         scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return state["step"], state["extra"]
+
+
+def read_weights(path: str | Path) -> dict:
+    """The drafter's weights of a step directory, on the CPU (a CheckpointError when unreadable)."""
+    return _read(Path(path) / WEIGHTS, lambda f: load_file(str(f), device="cpu"))
 
 
 def read_state(path: str | Path) -> dict:
@@ -272,7 +277,7 @@ class Checkpointer:
         return path
 
     def _checked_step(self, path: Path) -> int:
-        manifest = _verified(path)
+        manifest = verified(path)
         saved = dict(manifest.get("fingerprint") or {})
         state = read_state(path)
         if not saved:  # written by save_checkpoint without a fingerprint: fall back on the saved config
@@ -293,7 +298,8 @@ def _same_path(key: str, value: Any) -> Any:
     return os.path.realpath(value) if key in PATH_KEYS and isinstance(value, str) else value
 
 
-def _verified(path: Path) -> dict:
+def verified(path: Path) -> dict:
+    """:func:`verify_checkpoint`, its error naming the nearest good checkpoint to use instead."""
     try:
         return verify_checkpoint(path)
     except CheckpointError as err:

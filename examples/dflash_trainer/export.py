@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import STATE, WEIGHTS, CheckpointError, latest_checkpoint, read_state
+from .checkpoint import STATE, WEIGHTS, CheckpointError, latest_checkpoint, read_state, read_weights, verified
 from .model import DFlashDrafter, target_layer_ids
 
 FORMATS = ("zlab", "speculators")
@@ -79,7 +79,9 @@ def read_source(checkpoint: str | Path, target: str | Path | None = None) -> Sou
     from .target import TargetModel
 
     step_dir = find_step_dir(checkpoint)
-    weights = load_file(str(step_dir / WEIGHTS), device="cpu")
+    verified(step_dir)  # what --resume checks: the manifest, every file's size and SHA-256
+    weights = read_weights(step_dir)
+    _check_finite(weights, step_dir)
     with safe_open(str(step_dir / WEIGHTS), framework="pt") as f:
         meta = f.metadata() or {}
     if "arch" not in meta:
@@ -106,9 +108,24 @@ def read_source(checkpoint: str | Path, target: str | Path | None = None) -> Sou
                   mask_token_id=shape.mask_token_id, vocab_size=shape.vocab_size)
 
 
+def _check_finite(weights: dict[str, torch.Tensor], step_dir: Path) -> None:
+    bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ExportError(f"{step_dir / WEIGHTS} holds non-finite values (inf or NaN) in {', '.join(bad[:5])}"
+                          f"{' and more' if len(bad) > 5 else ''}: the run diverged at or before step "
+                          f"{step_dir.name}; export an earlier step directory")
+
+
 def _resolve_target(config: dict, target: str | Path | None, step_dir: Path) -> Path:
     if target is not None:
         return Path(target)
+    if config.get("target_shape") is not None:
+        # A --target-shape run: the random-init target of that shape on the embedded assets,
+        # found in the cache (or built again, as the run did).
+        from .assets import default_assets
+        from .shapes import shape_target
+
+        return Path(shape_target(config["target_shape"], default_assets()).dir)
     if config.get("target") is None:
         # The run used the embedded default target; its build is cached (and rebuilt if absent,
         # deterministically, so the drafter's target is the same model).
@@ -241,9 +258,14 @@ def load_zlab_drafter(path: str | Path, embed_tokens: nn.Embedding,
 
 def _fresh_dir(out: str | Path) -> Path:
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ExportError(f"--out {out} cannot be created ({err.strerror or err}); choose a directory you can write")
     return out
 
 
