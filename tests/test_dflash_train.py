@@ -70,8 +70,17 @@ def test_resume_continues_with_the_same_losses(tiny_assets, tmp_path):
 
 def test_resume_with_different_settings_is_refused(tiny_assets, tmp_path):
     train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2))
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match="other settings: --seq-len 64 when saved, 48 now"):
         train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2, resume=True, seq_len=48))
+
+
+@pytest.mark.parametrize("flag, value", [("warmup_ratio", 0.9), ("grad_clip", 0.5), ("weight_decay", 0.1),
+                                         ("gamma", 3.0)])
+def test_resume_with_another_schedule_or_loss_is_refused_naming_the_flag(tiny_assets, tmp_path, flag, value):
+    train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2))
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"other settings: {option} .* when saved, {value!r} now"):
+        train(tiny_config(tiny_assets, tmp_path, max_steps=4, checkpoint_every=2, resume=True, **{flag: value}))
 
 
 def test_nan_loss_stops_with_a_clear_message(tiny_assets, tmp_path, monkeypatch):
@@ -316,3 +325,13 @@ def test_the_process_group_is_torn_down_only_after_a_finished_run(finished):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_target_shape_run_resumed_without_its_flag_is_refused_naming_it(tmp_path):
+    from examples.dflash_trainer.checkpoint import Checkpointer
+
+    shaped = TrainConfig(target_shape="tiny", out_dir=str(tmp_path), devices="cpu")
+    Checkpointer(tmp_path / "checkpoints", shaped).save(2, torch.nn.Linear(2, 2), None, None)
+    plain = TrainConfig(out_dir=str(tmp_path), devices="cpu", resume=True)
+    with pytest.raises(ValueError, match=r"other settings: --target-shape 'tiny' when saved, None now"):
+        Checkpointer(tmp_path / "checkpoints", plain)

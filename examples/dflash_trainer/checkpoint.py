@@ -38,8 +38,11 @@ _STEP_DIR = re.compile(r"step_(\d{8})")
 _WRITTEN = re.compile(r"(\.tmp_)?step_\d{8}|latest|\.latest\.tmp")
 # Fields that must match between a checkpoint and the run resuming from it. `targets`, `drafters`,
 # `batch_size`, `seed` and the process count (added by the Checkpointer) fix the data order.
-RESUME_KEYS = ("target", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
-               "batch_size", "targets", "drafters", "seed", "lr", "epochs", "max_steps")
+# Every setting that changes a resumed run's trajectory: the model and its target, the data and
+# its order, the loss, and the optimiser's schedule.
+RESUME_KEYS = ("target", "target_shape", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers",
+               "num_target_layers_used", "gamma", "batch_size", "targets", "drafters", "seed", "lr", "warmup_ratio",
+               "grad_clip", "weight_decay", "epochs", "max_steps")
 
 
 PATH_KEYS = ("target", "data")
@@ -278,18 +281,36 @@ class Checkpointer:
 
     def _checked_step(self, path: Path) -> int:
         manifest = verified(path)
-        saved = dict(manifest.get("fingerprint") or {})
         state = read_state(path)
-        if not saved:  # written by save_checkpoint without a fingerprint: fall back on the saved config
-            saved = json.loads(state.get("extra", {}).get("config", "{}"))
-        differ = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k in saved and _same_path(k, saved[k]) != v}
+        # The saved run config holds every setting; the manifest's fingerprint adds the topology
+        # (and is all an older checkpoint recorded of some settings).
+        saved = {k: v for k, v in _saved_config(state).items() if k in RESUME_KEYS}
+        saved.update(manifest.get("fingerprint") or {})
+        differ = [(k, saved[k], v) for k, v in self.fingerprint.items() if k in saved and _same_path(k, saved[k]) != v]
         if differ:
-            raise ResumeMismatch(f"--resume: checkpoint {path} was written with different settings {differ} (saved, now); "
-                                 "resume with the same settings or use a new --out-dir")
+            said = "; ".join(f"{_setting(k)} {old!r} when saved, {new!r} now" for k, old, new in differ)
+            raise ResumeMismatch(f"--resume: checkpoint {path} was written with other settings: {said}; resume with "
+                                 "the saved settings, or start a new run with a new --out-dir")
         if int(state["step"]) != int(manifest["step"]):
             raise CheckpointError(f"checkpoint file {path / STATE} is step {state['step']} but {path / MANIFEST} "
                                   f"says {manifest['step']}; {_fix(path.parent, path)}")
         return int(state["step"])
+
+
+def _saved_config(state: dict) -> dict:
+    try:
+        config = json.loads(state.get("extra", {}).get("config", "{}") or "{}")
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _setting(key: str) -> str:
+    """How the user sets ``key``: its command-line flag, or what it is (topology is not a flag)."""
+    if key in RESUME_KEYS:
+        return "--" + key.replace("_", "-")
+    return {"processes": "the number of processes (torchrun --nproc-per-node x nodes)",
+            "samples": "the number of samples in the data", "data_digest": "the data's contents"}.get(key, key)
 
 
 def _same_path(key: str, value: Any) -> Any:
