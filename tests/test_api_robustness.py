@@ -6,6 +6,7 @@ import pickle
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 import threadgraph
 from threadgraph import _compat, _doctor, _gate, _patches
 
+ROOT = Path(__file__).resolve().parents[1]
 trees = _compat.cudagraph_trees()
 ABSENT = object()
 
@@ -176,11 +178,22 @@ def test_c_a_good_or_unset_gate_timeout_is_used(monkeypatch):
     assert _gate.timeout_from_env() == 600.0
 
 
-def test_c_import_with_a_bad_gate_timeout_fails_with_that_message():
+def test_c_a_bad_gate_timeout_stops_install_and_workers_and_the_cli_says_it_in_one_line():
     env = {"THREADGRAPH_GATE_TIMEOUT": "10s", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", "import threadgraph"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("ValueError: threadgraph: THREADGRAPH_GATE_TIMEOUT='10s'")
+    script = ("import threadgraph\n"
+              "for make in (threadgraph.install, lambda: threadgraph.CompiledWorkerThread('cpu')):\n"
+              "    try:\n        make()\n    except threadgraph.SettingError as err:\n        print('refused:', err)\n"
+              "print('installed:', threadgraph.installed())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.startswith("refused: threadgraph: THREADGRAPH_GATE_TIMEOUT='10s' is not a timeout") for line in lines[:2]] \
+        == [True, True] and lines[2] == "installed: False", proc.stdout
+    for command in (["-m", "threadgraph", "doctor"], ["-m", "examples.dflash_trainer", "--max-steps", "1"]):
+        cli = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        assert cli.returncode == 2, (command, cli.stderr)
+        assert cli.stderr.strip().splitlines()[-1].endswith("Fix it, or unset it for the default of 600 s"), cli.stderr
+        assert "Traceback" not in cli.stderr, cli.stderr
 
 
 def test_c_a_bad_excluded_name_says_it_came_from_the_environment(clean_patches, monkeypatch):

@@ -18,7 +18,7 @@ import sys
 import traceback
 import typing
 
-from threadgraph import WorkerError
+from threadgraph import WorkerError, check_settings
 
 from .config import CHOICES, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         config = TrainConfig(**args)
+        check_settings()  # threadgraph's environment variables (THREADGRAPH_GATE_TIMEOUT)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -9,14 +9,16 @@ Public API (everything else is private and may change):
 - ``patches()``: which patches exist, what they fix, which are active.
 - ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups;
   ``WorkerGroup.queue()`` wakes its blocked workers (``GroupStopped``) when the group fails.
+- ``check_settings()``: raise ``SettingError`` for a bad ``THREADGRAPH_*`` environment value.
 - ``released()``: give up the device gate's slots around a blocking wait.
 - ``outside_captures()``: run a block of eager CUDA work the fence does not see outside captures.
 - ``capture_step()``: a whole training step replayed as one CUDA graph.
 """
 
-from ._errors import CaptureConflictError, GateTimeout, ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, WorkerError
+from ._errors import (CaptureConflictError, GateTimeout, SettingError, ThreadgraphError, ThreadgraphWarning,
+                      UnsupportedTorchError, WorkerError)
 from ._fence import outside_captures
-from ._gate import released
+from ._gate import check_settings, released
 from ._patches import install, installed, patched, patches, uninstall
 from ._stats import StepStats
 from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
@@ -30,6 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureConflictError",
     "CaptureError",
+    "SettingError",
+    "check_settings",
     "StepGraph",
     "capture_step",
     "CompiledWorkerThread",

@@ -8,6 +8,8 @@ import json
 import sys
 
 from ._doctor import format_report, report, write_hazards
+from ._errors import SettingError
+from ._gate import check_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     hazards = sub.add_parser("hazards", help="the hazard catalogue and patch records as Markdown (docs/hazards.md)")
     hazards.add_argument("--write", metavar="PATH", help="write the page to PATH instead of printing it")
     args = parser.parse_args(argv)
+    try:
+        check_settings()
+    except SettingError as err:
+        print(err, file=sys.stderr)
+        return 2
 
     if args.command == "hazards":
         if args.write:

@@ -19,6 +19,10 @@ class ThreadgraphError(RuntimeError):
         return _rebuild, (type(self), self.args), self.__dict__
 
 
+class SettingError(ThreadgraphError, ValueError):
+    """An environment variable threadgraph reads holds a bad value; the message names it and the fix."""
+
+
 class UnsupportedTorchError(ThreadgraphError):
     """This torch lacks a symbol threadgraph needs; the message names it."""
 

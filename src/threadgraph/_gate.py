@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import Iterator
 
-from ._errors import GateTimeout
+from ._errors import GateTimeout, SettingError
 
 log = logging.getLogger("threadgraph")
 TIMEOUT_ENV = "THREADGRAPH_GATE_TIMEOUT"
@@ -53,7 +53,7 @@ TIMEOUT_ENV = "THREADGRAPH_GATE_TIMEOUT"
 def timeout_from_env(default: float = 600.0) -> float:
     """Seconds from ``THREADGRAPH_GATE_TIMEOUT`` (``default`` when unset).
 
-    A bad value raises at import rather than falling back to the default: the variable is set on
+    A bad value is a SettingError, never a fall back to the default: the variable is set on
     purpose, and a silent 600 s instead of the 10 s asked for leaves a stuck job hanging for ten
     minutes (or, instead of an hour asked for, kills a long capture), found only when it matters.
     """
@@ -65,14 +65,28 @@ def timeout_from_env(default: float = 600.0) -> float:
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
+        raise SettingError(
             f"threadgraph: {TIMEOUT_ENV}={raw!r} is not a timeout; it takes a number of seconds greater than 0 "
             f"(for example 600 or 0.5, no unit). Fix it, or unset it for the default of {default:.0f} s"
         )
     return seconds
 
 
-DEFAULT_TIMEOUT_S = timeout_from_env()
+try:
+    DEFAULT_TIMEOUT_S = timeout_from_env()
+    _setting_problem = None
+except SettingError as _problem:
+    # Importing still works, so a command line can say it in one line; every entry point that
+    # would wait (install(), a worker, a gate) raises it first (check_settings), so this default
+    # never serves in its place.
+    DEFAULT_TIMEOUT_S, _setting_problem = 600.0, _problem
+
+
+def check_settings() -> None:
+    """Raise SettingError when an environment variable threadgraph reads (THREADGRAPH_GATE_TIMEOUT)
+    holds a bad value; the message names it and the fix. ``install()`` and every worker call it."""
+    if _setting_problem is not None:
+        raise SettingError(*_setting_problem.args)
 
 
 class DeviceGate:
@@ -239,6 +253,7 @@ def gate_for(device: str) -> DeviceGate:
     gate = _gates.get(device)  # a dict read is atomic; creation takes the lock
     if gate is not None:
         return gate
+    check_settings()  # before the first gate of a device, which waits with the timeout
     with _gates_lock:
         gate = _gates.get(device)
         if gate is None:

@@ -21,7 +21,7 @@ import torch
 
 from . import _compat, _fence, _first_call, _fx_window, _generation
 from ._errors import ThreadgraphWarning
-from ._gate import gate_for, released
+from ._gate import check_settings, gate_for, released
 from ._registry import Patch, Registry, patch_names
 from ._tls import current_worker, doing, ensure_cudagraph_tls, worker_for_current_thread
 
@@ -333,6 +333,7 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
     run with a patch left out. Every symbol to be patched is checked first: on a torch that lacks
     one, nothing is patched and UnsupportedTorchError names every missing symbol.
     """
+    check_settings()
     exclude = patch_names(exclude, "exclude") | _excluded_by_env()
     applied = _registry.install(exclude, also_missing=_compat.missing_required())
     if FENCE_PATCHES & set(applied):
