@@ -276,7 +276,8 @@ class Checkpointer:
         path = latest_checkpoint(self.directory)
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint under {self.directory} (no {LATEST}, no step_* directory); "
-                                  f"check --out-dir, or drop --resume to start a new run there")
+                                  f"check --out-dir, or start a new run: drop --resume and add --overwrite to "
+                                  f"replace what {self.directory.parent} holds")
         return path
 
     def _checked_step(self, path: Path) -> int:

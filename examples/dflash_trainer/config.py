@@ -78,9 +78,13 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum=0)
         # Block size 1 has no draft token to train: every output would be the anchor itself.
         _check_int("block_size", self.block_size, minimum=2)
+        if self.seq_len < 2:  # an anchor needs a position after it to predict
+            raise ValueError(f"--seq-len {self.seq_len} leaves no position for an anchor (it needs at least 2); "
+                             f"raise --seq-len")
         if self.num_anchors > self.seq_len - 1:  # every step computes num_anchors * block_size tokens
-            raise ValueError(f"num_anchors={self.num_anchors} exceeds the seq_len={self.seq_len} - 1 positions an anchor "
-                             f"can take (the rest would be padding, computed at full cost); lower --num-anchors")
+            raise ValueError(f"--num-anchors {self.num_anchors} exceeds the --seq-len {self.seq_len} - 1 positions an "
+                             f"anchor can take (the rest would be padding, computed at full cost); lower --num-anchors "
+                             f"to at most {self.seq_len - 1} or raise --seq-len")
         if self.block_size > self.seq_len:
             raise ValueError(f"block_size={self.block_size} exceeds seq_len={self.seq_len}: every block would be mostly "
                              f"padding; lower --block-size or raise --seq-len")
@@ -133,8 +137,8 @@ class TrainConfig:
             return float(self.gamma)
         if self.block_size not in _DEFAULT_GAMMA:
             raise ValueError(
-                f"no default loss decay gamma for block_size={self.block_size} (the paper gives "
-                f"{_DEFAULT_GAMMA}); pass gamma explicitly, e.g. gamma=block_size/2"
+                f"no default loss decay gamma for --block-size {self.block_size} (the paper gives "
+                f"{_DEFAULT_GAMMA}); pass --gamma (half the block size is a fair start: --gamma {self.block_size / 2:g})"
             )
         return _DEFAULT_GAMMA[self.block_size]
 

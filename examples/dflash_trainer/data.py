@@ -54,7 +54,8 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
     """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
     path = Path(path)
     if not path.is_file():
-        problem = "is a directory" if path.is_dir() else "does not exist"
+        problem = ("is a directory" if path.is_dir() else "is not a regular file (a device or a pipe)"
+                   if path.exists() else "does not exist")
         raise DataError(f"data file {path} {problem}; pass a JSONL file ({_FORMATS})")
     lines = _count_lines(path)
     logger.info("tokenizing %d lines of %s", lines, path)

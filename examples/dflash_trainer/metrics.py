@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .checkpoint import step_directories
+
 __all__ = ["LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog", "format_phases"]
 
 LOG_EVERY = 10  # drafter steps per log line and tokens/s window; the first window holds warmup
@@ -152,10 +154,12 @@ class TrainingLog:
                         f"from step {self.start_step}: that checkpoint's weights are likely bad; point "
                         f"{self.checkpoint_dir}/latest at an earlier step_* directory and --resume, or start a new run"
                     )
+                saved = step_directories(self.checkpoint_dir)
+                where = (f", or --resume from {saved[0]} (no checkpoint is written after a non-finite step)"
+                         if saved else " (the run saved no checkpoint to resume from)")
                 raise TrainingDiverged(
                     f"step {step}: loss or gradient norm is not finite ({values}); lower --lr (now {self.base_lr}) "
-                    f"or check the data, and start a new run, or --resume from a checkpoint in {self.checkpoint_dir} "
-                    f"written before step {step} (no checkpoint is written after a non-finite step)"
+                    f"or check the data, and start a new run{where}"
                 )
         tokens = len(rows) * self.tokens_per_step
         tokens_per_s = tokens / max(now - self._window_start, 1e-9)
