@@ -159,3 +159,30 @@ def test_config_rejects_bad_values(kwargs, match):
 def test_config_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown TrainConfig keys \\['lr_max'\\]"):
         TrainConfig.from_dict({"lr_max": 1.0})
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024 vs 990")])
+def test_a_save_that_runs_out_of_disk_says_so_leaves_no_temp_dir_and_keeps_earlier_checkpoints(tmp_path, monkeypatch,
+                                                                                              failure):
+    from examples.dflash_trainer import checkpoint as ckpt
+
+    model = torch.nn.Linear(3, 3)
+    first = ckpt.save_checkpoint(tmp_path, 1, model, None, None)
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ckpt.CheckpointError, match=rf"saving checkpoint .*step_00000002 failed: the disk of {tmp_path} "
+                                                   r"is full \(.* free\); the earlier checkpoints are intact"):
+        ckpt.save_checkpoint(tmp_path, 2, model, None, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    ckpt.verify_checkpoint(first)
+
+
+def test_sizes_are_said_in_a_unit_that_does_not_round_them_to_zero():
+    from examples.dflash_trainer.sizes import human_bytes
+
+    assert [human_bytes(n) for n in (512, 3 << 10, 5 << 20, 3 << 30)] == ["512 bytes", "3.0 KiB", "5.0 MiB", "3.0 GiB"]

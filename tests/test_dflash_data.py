@@ -198,3 +198,23 @@ def test_anchor_draws_depend_on_the_batch_and_the_rank():
     other_rank = _shard_batches(data, 0, rank=1).next()[3]
     assert not torch.equal(b0, b1) and not torch.equal(b0, other_rank)
     assert anchor_seed(3, 1, 0) != anchor_seed(3, 0, 0) != anchor_seed(3, 0, 1)
+
+
+def test_a_huge_record_is_tokenised_only_as_far_as_seq_len_needs(tmp_path, tokenizer, monkeypatch):
+    response = "four " * 2_000_000  # 10 MB on one line
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "response": response}) + "\n")
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"prompt": "2+2?", "response": response[:400]}) + "\n")
+    encoded = []
+    real = type(tokenizer).encode
+
+    def counting(self, text, **kwargs):
+        encoded.append(len(text))
+        return real(self, text, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "encode", counting)
+    data = read_jsonl(path, tokenizer=tokenizer, seq_len=64)
+    assert max(encoded) < 10_000, encoded  # never the whole 10 MB
+    expected = read_jsonl(small, tokenizer=tokenizer, seq_len=64)
+    assert torch.equal(data.ids, expected.ids) and torch.equal(data.loss_mask, expected.loss_mask)

@@ -13,6 +13,7 @@ still verifies.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .errors import BadInput
+from .sizes import human_bytes
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -80,6 +82,37 @@ def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
     final, tmp = root / name, root / f".tmp_{name}"
     shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
     tmp.mkdir()
+    try:
+        _write_step(tmp, step, drafter, optimizer, scheduler, extra, fingerprint)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written step is never left behind
+        if _out_of_room(err):
+            free = shutil.disk_usage(root).free
+            raise CheckpointError(f"saving checkpoint {final} failed: the disk of {root} is full ({human_bytes(free)} "
+                                  f"free); the earlier checkpoints are intact; free some space and --resume") from err
+        raise
+    if final.exists():
+        shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
+    os.replace(tmp, final)
+    _fsync(root)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync(root)
+    return final
+
+
+def _out_of_room(err: BaseException) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC or EDQUOT, or torch's zip writer's way of
+    saying so ("unexpected pos" from inline_container.cc, which hides the errno)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(err, RuntimeError) and "unexpected pos" in str(err)
+
+
+def _write_step(tmp: Path, step: int, drafter: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+                extra: dict | None, fingerprint: dict | None) -> None:
     # state_dict() holds only the drafter's own weights (the target's modules are unregistered).
     weights = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     meta = {"step": str(step)}
@@ -99,16 +132,6 @@ def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
     for f in (WEIGHTS, STATE, MANIFEST):
         _fsync(tmp / f)
     _fsync(tmp)
-    if final.exists():
-        shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
-    os.replace(tmp, final)
-    _fsync(root)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync(root)
-    return final
 
 
 def verify_checkpoint(path: str | Path) -> dict:

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -99,7 +100,7 @@ def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len
             continue
         total += 1
         where = f"{source}:{lineno}"
-        ids, mask = _parse_line(text, where, tokenizer, vocab_size)
+        ids, mask = _parse_line(text, where, tokenizer, vocab_size, seq_len)
         ids, mask = ids[:seq_len], mask[:seq_len]
         if not any(a and b for a, b in zip(mask, mask[1:])):
             continue  # no anchor possible: nothing to learn from this sample
@@ -137,7 +138,7 @@ def _default_pad_id(tokenizer: Any) -> int:
 
 
 def _parse_line(text: str, where: str, tokenizer: Any,
-                vocab_size: int | None) -> tuple[list[int], list[int]]:
+                vocab_size: int | None, seq_len: int) -> tuple[list[int], list[int]]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
@@ -149,14 +150,14 @@ def _parse_line(text: str, where: str, tokenizer: Any,
     if "input_ids" in record:
         ids, mask = _pretokenized(record, where)
     elif "messages" in record:
-        ids, mask = _encode(_messages(record["messages"], where), where, tokenizer)
+        ids, mask = _encode(_messages(record["messages"], where), where, tokenizer, seq_len)
     elif "prompt" in record or "response" in record:
         for key in ("prompt", "response"):
             if not isinstance(record.get(key), str):
                 raise DataError(f"{where}: {key!r} must be a string; use {_FORMATS}")
         turns = [{"role": "user", "content": record["prompt"]},
                  {"role": "assistant", "content": record["response"]}]
-        ids, mask = _encode(turns, where, tokenizer)
+        ids, mask = _encode(turns, where, tokenizer, seq_len)
     else:
         raise DataError(f"{where}: unknown record with keys {sorted(record)}; use {_FORMATS}")
     limit = vocab_size if vocab_size is not None else float("inf")
@@ -199,18 +200,41 @@ def _messages(messages: Any, where: str) -> list[dict]:
     return messages
 
 
-def _encode(messages: list[dict], where: str, tokenizer: Any) -> tuple[list[int], list[int]]:
+def _encode(messages: list[dict], where: str, tokenizer: Any, limit: int) -> tuple[list[int], list[int]]:
+    """The record's tokens and loss mask, ``limit`` tokens at most. Only a prefix of each text is
+    tokenised: enough characters for the tokens still wanted (no token is longer than the
+    vocabulary's longest), so a huge record costs what its first ``limit`` tokens cost."""
     if tokenizer is None:
         raise DataError(f"{where}: text records need the target's tokenizer, and there is none; "
                         f"pre-tokenise to input_ids/loss_mask or use a target with a tokenizer")
     ids: list[int] = []
     mask: list[int] = []
+    longest = _longest_token_chars(tokenizer)
     for text, is_loss in _segments(messages, where, tokenizer):
+        wanted = limit - len(ids)
+        if wanted <= 0:
+            break
         if text:
-            piece = tokenizer.encode(text, add_special_tokens=False)
+            # One token past the wanted ones: a cut inside the last word changes only tokens after them.
+            cut = text[: (wanted + 1) * longest]
+            piece = tokenizer.encode(cut, add_special_tokens=False)
+            if len(cut) < len(text):
+                piece = piece[:wanted]
             ids += piece
             mask += [int(is_loss)] * len(piece)
     return ids, mask
+
+
+_longest: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token (at least 1), once per tokenizer."""
+    found = _longest.get(tokenizer)
+    if found is None:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        found = _longest[tokenizer] = max((len(token) for token in vocab), default=64) or 1
+    return found
 
 
 def _segments(messages: list[dict], where: str, tokenizer: Any) -> list[tuple[str, bool]]:

@@ -72,6 +72,14 @@ def trainable_drafter_params(config: TrainConfig, model_config: Any, num_params:
             + config.num_feature_layers * hidden * hidden)
 
 
+def human_bytes(n: float) -> str:
+    """A byte count for people: GiB, MiB, KiB or bytes, whichever shows it without rounding to 0."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: int, saves: int) -> None:
     """Refuse a run whose checkpoint cannot fit on the disk of ``--out-dir`` (the last one is
     written after the final step: found there, the whole run would be lost), and warn when all
@@ -83,12 +91,12 @@ def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: in
         return
     free = shutil.disk_usage(existing).free
     if one > free:
-        raise TooLarge(f"a checkpoint of this drafter needs about {one / GiB:.1f} GiB but the disk of --out-dir "
-                       f"{out} has {free / GiB:.1f} GiB free; free some space or pass an --out-dir on a larger disk")
+        raise TooLarge(f"a checkpoint of this drafter needs about {human_bytes(one)} but the disk of --out-dir "
+                       f"{out} has {human_bytes(free)} free; free some space or pass an --out-dir on a larger disk")
     if one * saves > free:
-        log.warning("dflash: the run's %d checkpoints need about %.1f GiB, more than the %.1f GiB free on the disk of "
-                    "%s; raise --checkpoint-every or make room before they are written", saves, one * saves / GiB,
-                    free / GiB, out)
+        log.warning("dflash: the run's %d checkpoints need about %s, more than the %s free on the disk of "
+                    "%s; raise --checkpoint-every or make room before they are written", saves, human_bytes(one * saves),
+                    human_bytes(free), out)
 
 
 def free_bytes(device: str) -> Optional[int]:
