@@ -136,7 +136,7 @@ def test_config_defaults_and_derived_values():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"block_size": 12}, "pass gamma explicitly"),
+    ({"block_size": 12}, "pass --gamma"),
     ({"block_size": 1}, "block_size must be >= 2"),
     ({"seq_len": 0}, "seq_len must be >= 1"),
     ({"epochs": True}, "epochs must be an integer"),

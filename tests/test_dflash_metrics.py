@@ -70,9 +70,9 @@ def test_thread_safe_lines_never_interleave(tmp_path):
                                                                for i in range(200)]
 
 
-def _log(start_step=0, records=None):
+def _log(start_step=0, records=None, checkpoint_dir=Path("ckpt")):
     return TrainingLog(metric_names=("loss",), start_step=start_step, tokens_per_step=100, lr_at=lambda step: 0.5 * step,
-                       base_lr=1e-3, checkpoint_dir=Path("ckpt"), metrics=None,
+                       base_lr=1e-3, checkpoint_dir=checkpoint_dir, metrics=None,
                        progress=None if records is None else records.append)
 
 
@@ -94,8 +94,19 @@ def test_training_log_reads_the_history_in_windows_and_leaves_the_first_out_of_s
 def test_training_log_names_the_first_step_that_diverged():
     history = torch.tensor([[1.0, 1.0], [float("nan"), 1.0], [2.0, float("inf")]])
     log = _log(start_step=0)
-    with pytest.raises(TrainingDiverged, match=r"step 2: .*not finite.*lower --lr \(now 0.001\).*ckpt"):
+    with pytest.raises(TrainingDiverged, match=r"step 2: .*not finite.*lower --lr \(now 0.001\).*the run saved no "
+                                               r"checkpoint to resume from"):
         log.flush(history, 3)
+
+
+def test_a_diverged_run_advises_resuming_only_from_a_checkpoint_it_has(tmp_path):
+    from examples.dflash_trainer.checkpoint import save_checkpoint
+
+    saved = save_checkpoint(tmp_path / "ckpt", 1, torch.nn.Linear(2, 2), None, None)
+    history = torch.tensor([[1.0, 1.0], [float("nan"), 1.0]])
+    log = _log(start_step=0, checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(TrainingDiverged, match=rf"or --resume from {saved} \(no checkpoint is written after"):
+        log.flush(history, 2)
 
 
 def test_phase_times_split_each_step_and_skip_warmup(monkeypatch):

@@ -207,7 +207,7 @@ def test_a_non_finite_loss_right_after_resume_blames_the_checkpoint(tiny_assets,
 # -- 5. sizes ----------------------------------------------------------------------------------
 
 def test_more_anchors_than_positions_is_refused_up_front():
-    with pytest.raises(ValueError, match=r"num_anchors=1000 .*seq_len=96"):
+    with pytest.raises(ValueError, match=r"--num-anchors 1000 .*--seq-len 96"):
         TrainConfig(num_anchors=1000, seq_len=96)
 
 
