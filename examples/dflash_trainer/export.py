@@ -112,7 +112,7 @@ def _check_finite(weights: dict[str, torch.Tensor], step_dir: Path) -> None:
     bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise ExportError(f"{step_dir / WEIGHTS} holds non-finite values (inf or NaN) in {', '.join(bad[:5])}"
-                          f"{' and more' if len(bad) > 5 else ''}: the run diverged at or before step "
+                          f"{' and more' if len(bad) > 5 else ''}: the run diverged at or before "
                           f"{step_dir.name}; export an earlier step directory")
 
 
