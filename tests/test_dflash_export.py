@@ -257,3 +257,23 @@ def test_an_out_that_is_a_file_gets_one_line(random_run, tmp_path, capsys):
     assert main(["--checkpoint", str(run), "--format", "zlab", "--out", str(tmp_path / "afile")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out {tmp_path / 'afile'} is a file, not a directory; choose a new directory"]
+
+
+def test_a_target_shape_run_exports_against_its_shape_without_target(random_run, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from examples.dflash_trainer import assets, shapes
+    from examples.dflash_trainer.checkpoint import read_state, save_checkpoint
+
+    run, target, drafter = random_run
+    step = run / "checkpoints" / "step_00000007"
+    config = json.loads(read_state(step)["extra"]["config"])
+    config.update(target=None, data=None, target_shape="tiny")
+    saved = save_checkpoint(tmp_path / "ckpt", 7, drafter, None, None, {"config": json.dumps(config)})
+    asked = []
+    monkeypatch.setattr(assets, "default_assets", lambda: SimpleNamespace(name="embedded"))
+    monkeypatch.setattr(shapes, "shape_target", lambda name, built: (asked.append((name, built.name)),
+                                                                     SimpleNamespace(dir=target))[1])
+    out, _ = export(saved, "zlab", tmp_path / "out")
+    assert asked == [("tiny", "embedded")]
+    assert json.loads((out / "config.json").read_text())["num_target_layers"] == 8
