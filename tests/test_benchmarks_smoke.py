@@ -207,7 +207,9 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     worker = rows["worker"]
     assert not worker.get("error"), worker
     assert 0 < worker["gil_busy"] <= 1.05 and worker["gil_samples"] > 0, worker
-    assert worker["gil_leaves"] and abs(sum(share for _, share in worker["gil_files"]) - 1) < 0.5
+    shares = [share for _, share in worker["gil_files"]]  # the commonest files' shares of the GIL samples
+    assert worker["gil_leaves"] and shares == sorted(shares, reverse=True) and all(0 < s <= 1 for s in shares)
+    assert sum(shares) <= 1 + 1e-9, shares
     md = _one(tmp_path, "replay-small-gil_cpu_torch*.md")
     before = md.read_text()
     assert "## Where the GIL goes" in before and "eager, 1 worker thread: GIL busy" in before
