@@ -114,3 +114,39 @@ def test_foreign_threads_get_no_worker_of_their_own():
     _thread.start_new_thread(foreign, ())
     assert done.wait(30)
     assert box["state"] is None
+
+
+def test_exit_waits_for_the_os_threads_of_finished_threads_that_stashed(clean_patches):
+    # Their C++ thread-local destructor releases the stash after join() returns; exit must not
+    # finalise the interpreter before it has run (hazard stash-released-at-thread-exit).
+    import os
+    import sys
+
+    thread = threading.Thread(target=threadgraph.ensure_cudagraph_tls)
+    thread.start()
+    thread.join()
+    assert _tls.wait_for_finished_stashing_threads(timeout=10) == []
+    if sys.platform.startswith("linux"):
+        assert not os.path.exists(f"/proc/self/task/{thread.native_id}")
+
+
+def test_plain_threads_that_ran_compiled_code_under_install_then_exit_end_the_process_cleanly():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import threading, torch, threadgraph\n"
+        "threadgraph.install()\n"
+        "def body():\n"
+        "    f = torch.compile(lambda x: x * 2, backend='eager')\n"
+        "    f(torch.ones(2))\n"
+        "threads = [threading.Thread(target=body) for _ in range(4)]\n"
+        "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(root / "src")})
+        assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]

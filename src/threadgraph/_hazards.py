@@ -158,7 +158,10 @@ HAZARDS: tuple[Hazard, ...] = (
         f"seen in one of three DFlash trainer runs on a CPU; {RUN_CPU}",
         (_gh(117762), _gh(182083, "pull")),
         "Workers empty their stash before they end (`release_cudagraph_tls()`, where torch has "
-        "`_remove_obj_from_tls`) and `join()` waits for the OS thread to be gone (Linux).",
+        "`_remove_obj_from_tls`) and `join()` waits for the OS thread to be gone (Linux). For plain "
+        "threads, which nothing joins that way, interpreter exit waits (after Python joined its threads, "
+        "5 s at most) until the OS threads of finished threads that stashed entries are gone; seen once "
+        "in the CPU conformance suite before that wait (a plain thread under `install()`, exit right after).",
         _compat.thread_exit_during_finalization_aborts,
     ),
     Hazard(

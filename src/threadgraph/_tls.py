@@ -7,6 +7,7 @@ up, recorded and replayed. A plain ``threading.local`` does not travel there.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -14,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import Iterator, Optional
 
@@ -22,6 +24,7 @@ import torch
 from . import _compat
 
 TREE_TLS_KEYS = ("tree_manager_containers", "tree_manager_locks")
+EXIT_WAIT_S = 5.0  # how long interpreter exit waits, all together, for finished threads' OS threads
 WORKER_KEY = "threadgraph.worker"
 log = logging.getLogger("threadgraph")
 
@@ -45,6 +48,7 @@ def ensure_cudagraph_tls() -> bool:
     for key in TREE_TLS_KEYS:
         if not torch._C._is_key_in_tls(key):
             _compat.stash(key, getattr(local, key))
+    _note_stashing_thread()
     return True
 
 
@@ -116,6 +120,57 @@ def bind_worker(state: WorkerState) -> None:
     """Make ``state`` the calling thread's worker, for this thread and its backward."""
     _strong.state = state
     _compat.stash(WORKER_KEY, state)
+    _note_stashing_thread()
+
+
+# Python threads whose stash holds entries, by OS thread id: their C++ thread-local destructor
+# releases the entries after join() returns (hazard stash-released-at-thread-exit), so the
+# interpreter must not finalise before those OS threads are gone.
+_stashing_threads: "dict[int, weakref.ref[threading.Thread]]" = {}
+_stashing_lock = threading.Lock()
+
+
+def _note_stashing_thread() -> None:
+    thread = threading.current_thread()
+    native_id = getattr(thread, "native_id", None)
+    if native_id is None or isinstance(thread, threading._DummyThread) or thread is threading.main_thread():
+        return
+    with _stashing_lock:
+        _stashing_threads[native_id] = weakref.ref(thread)
+
+
+def wait_for_finished_stashing_threads(timeout: float = EXIT_WAIT_S) -> list[int]:
+    """Wait until the OS threads of Python threads that stashed entries and have finished are gone
+    (Linux; elsewhere nothing to wait for); returns the OS thread ids still there at ``timeout``.
+    Runs at interpreter exit, after Python has joined its non-daemon threads: a plain thread that
+    ran compiled code under ``install()`` and was joined just before exit would otherwise release
+    its stash while the interpreter finalises, which aborts the process. Threads still running
+    (daemons) are not waited for."""
+    if not sys.platform.startswith("linux"):
+        return []
+    with _stashing_lock:
+        entries = list(_stashing_threads.items())
+    deadline = time.monotonic() + timeout
+    left = []
+    for native_id, ref in entries:
+        thread = ref()
+        if thread is not None and thread.is_alive():
+            continue
+        task = f"/proc/self/task/{native_id}"
+        while os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if os.path.exists(task):
+            left.append(native_id)
+        else:
+            with _stashing_lock:
+                _stashing_threads.pop(native_id, None)
+    if left:
+        log.warning("threadgraph: OS thread(s) %s still exist %.1f s into interpreter exit; their stash entries may "
+                    "be released while Python finalises", left, timeout)
+    return left
+
+
+atexit.register(wait_for_finished_stashing_threads)  # atexit runs after threading joined its threads
 
 
 def release_cudagraph_tls() -> None:
