@@ -154,8 +154,8 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_as
         * sizes.CHECKPOINT_BYTES
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 9 * one, one // 2))
-    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about [\d.]+ GiB but the disk of "
-                                             r"--out-dir .* has [\d.]+ GiB free; free some space or pass an --out-dir"):
+    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about [\d.]+ [KMG]iB but the disk of "
+                                             r"--out-dir .* has [\d.]+ [KMG]iB free; free some space or pass an --out-dir"):
         train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))
