@@ -74,3 +74,13 @@ def test_a_trainer_runs_startup_says_how_much_of_it_was_the_build():
     del run["build_s"]
     (row,) = results_index.dflash_trainer({"recorded_by": "x", "Trees after X, empty Inductor cache": run})
     assert row[1].endswith("; startup 118 s")
+
+
+def test_the_committed_results_hold_the_newest_file_per_theme_machine_and_torch():
+    folder = Path(results_index.__file__).resolve().parent / "results"
+    dates = {}
+    for path in folder.glob("*.json"):
+        name = results_index.NAME.match(path.name)
+        dates.setdefault((name["theme"], name["hardware"], name["torch"]), set()).add(path.name)
+    kept = {key: sorted(names) for key, names in dates.items() if len(names) > 1}
+    assert not kept, f"older runs belong in git history: {kept}"
