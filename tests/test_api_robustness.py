@@ -192,7 +192,9 @@ def test_c_a_bad_gate_timeout_stops_install_and_workers_and_the_cli_says_it_in_o
     for command in (["-m", "threadgraph", "doctor"], ["-m", "examples.dflash_trainer", "--max-steps", "1"]):
         cli = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
         assert cli.returncode == 2, (command, cli.stderr)
-        assert cli.stderr.strip().splitlines()[-1].endswith("Fix it, or unset it for the default of 600 s"), cli.stderr
+        last = cli.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: threadgraph: THREADGRAPH_GATE_TIMEOUT='10s' is not a timeout"), cli.stderr
+        assert last.endswith("Fix it, or unset it for the default of 600 s"), cli.stderr
         assert "Traceback" not in cli.stderr, cli.stderr
 
 

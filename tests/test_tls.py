@@ -130,6 +130,25 @@ def test_exit_waits_for_the_os_threads_of_finished_threads_that_stashed(clean_pa
         assert not os.path.exists(f"/proc/self/task/{thread.native_id}")
 
 
+def test_exit_does_not_wait_for_a_running_thread_that_an_interrupted_join_reports_stopped(monkeypatch):
+    """A Ctrl-C inside Thread.join() leaves CPython's thread reporting is_alive() False while it
+    runs on (a worker left running after a second Ctrl-C): the exit must not wait 5 s for it."""
+    release = threading.Event()
+
+    def body():
+        threadgraph.ensure_cudagraph_tls()
+        release.wait()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setattr(thread, "is_alive", lambda: False)  # what the interrupted join leaves
+        assert _tls.wait_for_finished_stashing_threads(timeout=3) == []
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_plain_threads_that_ran_compiled_code_under_install_then_exit_end_the_process_cleanly():
     import os
     import subprocess

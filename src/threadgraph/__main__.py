@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_settings()
     except SettingError as err:
-        print(err, file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
     if args.command == "hazards":

@@ -150,11 +150,15 @@ def wait_for_finished_stashing_threads(timeout: float = EXIT_WAIT_S) -> list[int
         return []
     with _stashing_lock:
         entries = list(_stashing_threads.items())
+    # Not is_alive(): a Ctrl-C inside Thread.join() can leave a running thread reporting itself
+    # stopped (CPython's join marks it stopped when interrupted). A thread is listed by
+    # enumerate() until its bootstrap returns.
+    running = {thread.native_id for thread in threading.enumerate()}
     deadline = time.monotonic() + timeout
     left = []
     for native_id, ref in entries:
         thread = ref()
-        if thread is not None and thread.is_alive():
+        if thread is not None and native_id in running:
             continue
         task = f"/proc/self/task/{native_id}"
         while os.path.exists(task) and time.monotonic() < deadline:
@@ -165,8 +169,9 @@ def wait_for_finished_stashing_threads(timeout: float = EXIT_WAIT_S) -> list[int
             with _stashing_lock:
                 _stashing_threads.pop(native_id, None)
     if left:
-        log.warning("threadgraph: OS thread(s) %s still exist %.1f s into interpreter exit; their stash entries may "
-                    "be released while Python finalises", left, timeout)
+        names = [getattr(_stashing_threads.get(tid, lambda: None)(), "name", "?") for tid in left]
+        log.warning("threadgraph: OS thread(s) %s (%s) still exist %.1f s into interpreter exit; their stash entries may "
+                    "be released while Python finalises", left, names, timeout)
     return left
 
 
