@@ -3,6 +3,7 @@ queues its workers hand work through, which wake every blocked worker when the g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -124,9 +125,7 @@ class WorkerGroup:
         if worker in self.workers:
             raise ValueError(f"threadgraph: worker {worker.name} is in the group already; a worker is one thread, "
                              f"added once")
-        if worker._group is not None:
-            raise ValueError(f"threadgraph: worker {worker.name} belongs to another group; a worker is in one group")
-        worker._group = self
+        worker.join_group(_Membership(self))
         self.workers.append(worker)
         return worker
 
@@ -199,7 +198,7 @@ class WorkerGroup:
         failed = self._first_failure
         if failed is not None:
             others = [w for w in self.workers if w is not failed and w.exception is not None]
-            error = failed._as_worker_error()
+            error = failed.worker_error()
             for other in others:
                 add_note(error, f"also failed: {other.name}: {other.exception!r}")
             raise error from failed.exception
@@ -234,3 +233,25 @@ class WorkerGroup:
                 log.error("threadgraph: failure callback %r raised %r", callback, exc)
                 add_note(error, f"failure callback {callback!r} raised {exc!r}")
 
+
+class _Membership:
+    """A worker's view of its group (the ``Membership`` the worker module asks for)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+
+    def setup_turn(self) -> contextlib.AbstractContextManager:
+        group = self._group
+        return group._setup_lock if group.serial_setup else contextlib.nullcontext()
+
+    def setup_done(self, worker: CompiledWorkerThread) -> None:
+        self._group._wait_for_setups(worker)
+
+    def wake(self) -> None:
+        self._group._wake()
+
+    def stop(self) -> None:
+        self._group.stop()
+
+    def failed(self, worker: CompiledWorkerThread, error: BaseException) -> None:
+        self._group._worker_failed(worker, error)

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 
@@ -19,8 +19,26 @@ from ._patches import install
 from ._stats import StepStats, StepTimer
 from ._tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
 
-if TYPE_CHECKING:
-    from ._group import WorkerGroup
+
+
+class Membership(Protocol):
+    """What a worker asks of the group it belongs to: ``WorkerGroup.add`` hands each of its workers
+    one (``CompiledWorkerThread.join_group``), so neither reads the other's internals."""
+
+    def setup_turn(self) -> contextlib.AbstractContextManager:
+        """Held around the worker's setup: the group's one-at-a-time turn, or nothing."""
+
+    def setup_done(self, worker: "CompiledWorkerThread") -> None:
+        """Count the worker's setup as done; return once every worker's is, or the worker stops."""
+
+    def wake(self) -> None:
+        """Wake workers waiting for the others' setups (one of them was asked to stop)."""
+
+    def stop(self) -> None:
+        """Stop the whole group: every worker, and the group's queues."""
+
+    def failed(self, worker: "CompiledWorkerThread", error: BaseException) -> None:
+        """The worker failed: the first failure stops the group and runs its failure callbacks."""
 
 log = logging.getLogger("threadgraph")
 
@@ -147,7 +165,7 @@ class CompiledWorkerThread(threading.Thread):
         self._done = threading.Event()  # run() returned
         self._exception: Optional[BaseException] = None
         self._phase = "start"
-        self._group: Optional["WorkerGroup"] = None
+        self._membership: Optional[Membership] = None
         self._abandoned = False  # a Ctrl-C stopped the wait for it (wait_stopped): never waited for again
 
     # -- to override ---------------------------------------------------------------------
@@ -165,8 +183,8 @@ class CompiledWorkerThread(threading.Thread):
     def stop(self) -> None:
         """Ask the worker to finish after its current step. Idempotent, callable from any thread."""
         self._stop_requested.set()
-        if self._group is not None:
-            self._group._wake()
+        if self._membership is not None:
+            self._membership.wake()
 
     @property
     def stopping(self) -> bool:
@@ -197,7 +215,13 @@ class CompiledWorkerThread(threading.Thread):
             return
         wait_for_thread_exit(self)
         if self._exception is not None:
-            raise self._as_worker_error() from self._exception
+            raise self.worker_error() from self._exception
+
+    def join_group(self, membership: Membership) -> None:
+        """Called by ``WorkerGroup.add``: the worker belongs to that group from now on."""
+        if self._membership is not None:
+            raise ValueError(f"threadgraph: worker {self.name} belongs to another group; a worker is in one group")
+        self._membership = membership
 
     def gate(self) -> contextlib.AbstractContextManager:
         """The shared slot of this worker's device (a no-op on CPU)."""
@@ -226,8 +250,8 @@ class CompiledWorkerThread(threading.Thread):
     def _stop_with_group(self) -> None:
         """Stop this worker and, when it has one, its group: the group's queues close too, waking
         a worker blocked on one."""
-        if self._group is not None:
-            self._group.stop()
+        if self._membership is not None:
+            self._membership.stop()
         self.stop()
 
     def _run(self) -> None:
@@ -249,9 +273,9 @@ class CompiledWorkerThread(threading.Thread):
                     with doing(state, "setup"):
                         self.setup()
                     self.stats.setup_seconds = time.perf_counter() - setup_began
-            if self._group is not None:
+            if self._membership is not None:
                 with doing(state, "waiting for the other workers' setups"):
-                    self._group._wait_for_setups(self)
+                    self._membership.setup_done(self)
             self.stats.steps_began_at = time.perf_counter() - started
             if not skipped:
                 self._phase = "step"
@@ -294,14 +318,12 @@ class CompiledWorkerThread(threading.Thread):
         self._phase = failed_in
         self._exception = error
         log.error("threadgraph: worker %s on %s failed in %s: %r", self.name, self.device, failed_in, error)
-        if self._group is not None:
-            self._group._worker_failed(self, error)
+        if self._membership is not None:
+            self._membership.failed(self, error)
 
     # -- internals -----------------------------------------------------------------------
     def _setup_turn(self) -> contextlib.AbstractContextManager:
-        if self._group is None or not self._group.serial_setup:
-            return contextlib.nullcontext()
-        return self._group._setup_lock
+        return contextlib.nullcontext() if self._membership is None else self._membership.setup_turn()
 
     def _bind(self) -> None:
         if self.device.type == "cuda":
@@ -345,8 +367,12 @@ class CompiledWorkerThread(threading.Thread):
         stats.compile_seconds, stats.capture_seconds = state.compile_seconds, state.capture_seconds
         stats.turn_wait_seconds = state.turn_wait_seconds
 
-    def _as_worker_error(self) -> WorkerError:
+    def worker_error(self) -> Optional[WorkerError]:
+        """The WorkerError that ``join()`` raises for this worker's failure (None while it has not
+        failed): the worker's name, device and phase, from its exception."""
         exc = self._exception
+        if exc is None:
+            return None
         return WorkerError(
             f"threadgraph: worker {self.name!r} on {self.device} failed in {self._phase}: {type(exc).__name__}: {exc}",
             thread_name=self.name,
