@@ -1,0 +1,83 @@
+"""tools/device_torch.py: a torch release packed into pieces here, received piece by piece and
+installed there; a missing, corrupt or foreign piece is one line with exit 2."""
+
+import importlib.util
+import random
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("device_torch", ROOT / "tools" / "device_torch.py")
+device_torch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device_torch)
+
+
+BLOB = random.Random(0).randbytes(20000)  # incompressible: xz leaves several pieces
+
+
+def wheel(folder: Path, name: str, files: dict) -> Path:
+    path = folder / name
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, text in files.items():
+            archive.writestr(member, text)
+    return path
+
+
+@pytest.fixture
+def packed(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel(wheels, "torch-9.9.9-cp312-cp312-linux.whl", {"torch/__init__.py": "__version__ = '9.9.9'\n" + "#" * 5000,
+                                                       "torch/lib/blob.bin": BLOB})
+    wheel(wheels, "triton-9.0-cp312-cp312-linux.whl", {"triton/__init__.py": "ok = True\n"})
+    out = tmp_path / "out"
+    assert device_torch.main(["pack", "--torch", "9.9.9", "--wheels", str(wheels), "--out", str(out),
+                              "--piece-bytes", "1000"]) == 0
+    return out, device_torch.read_manifest(out / "torch9.9.9.json")
+
+
+def test_pieces_received_in_any_order_install_the_wheels_contents(packed, tmp_path, capsys):
+    out, manifest = packed
+    names = [p["name"] for p in manifest["pieces"]]
+    assert len(names) > 1 and all(p["bytes"] <= 1000 for p in manifest["pieces"])
+    stash = tmp_path / "stash"
+    for name in reversed(names):
+        assert device_torch.main(["receive", str(out / name), "--stash", str(stash)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"stashed {names[0]}; all pieces here: install"
+    assert device_torch.main(["install", "--torch", "9.9.9", "--stash", str(stash)]) == 0
+    site = stash / "torch9.9.9" / "site"
+    assert capsys.readouterr().out.startswith(f"export PYTHONPATH={site}:")
+    assert (site / "torch" / "__init__.py").read_text().startswith("__version__ = '9.9.9'")
+    assert (site / "torch" / "lib" / "blob.bin").read_bytes() == BLOB
+    assert (site / "triton" / "__init__.py").read_text() == "ok = True\n"
+
+
+def test_a_missing_piece_is_named_and_install_exits_2(packed, tmp_path, capsys):
+    out, manifest = packed
+    names = [p["name"] for p in manifest["pieces"]]
+    stash = tmp_path / "stash"
+    for name in names[1:]:
+        device_torch.main(["receive", str(out / name), "--stash", str(stash)])
+    capsys.readouterr()
+    assert device_torch.main(["install", "--torch", "9.9.9", "--stash", str(stash)]) == 2
+    assert capsys.readouterr().err == (f"error: torch 9.9.9: 1 of {len(names)} pieces not received ({names[0]}); "
+                                       f"carry each with python tools/device_torch.py receive PIECE\n")
+
+
+def test_a_corrupt_piece_is_refused_before_it_is_stashed(packed, tmp_path, capsys):
+    out, manifest = packed
+    piece = out / manifest["pieces"][0]["name"]
+    data = bytearray(piece.read_bytes())
+    data[10] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    stash = tmp_path / "stash"
+    assert device_torch.main(["receive", str(piece), "--stash", str(stash)]) == 2
+    assert capsys.readouterr().err == f"error: {piece} differs from the manifest's SHA-256; carry it again\n"
+    assert not (stash / "torch9.9.9" / piece.name).exists()
+
+
+def test_pack_without_wheels_or_triton_says_what_to_pass(tmp_path, capsys):
+    assert device_torch.main(["pack", "--torch", "9.9.9", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: pass --triton (the release torch requires) to download, or --wheels DIR\n"

@@ -1,0 +1,206 @@
+"""Another torch on the GPU machine: pack its wheels here, carry them in pieces, install them there.
+
+The device tool carries at most 64 MiB a call (the working tree included) and keeps nothing of
+the repository between calls, but files copied outside the repository on a warm machine stay
+until it is given back. So a torch release travels as pieces of one compressed archive (torch and
+triton unpacked, then xz: about a quarter smaller than the wheels), one piece a call, each call
+copying its piece into a stash outside the repository; the last one installs:
+
+    python tools/device_torch.py pack --torch 2.14.1 --triton 3.8.0        # here: .device-torch/
+    # then one device call per piece, back to back (the machine goes back after ~30 s idle):
+    #   carry [".device-torch/torch2.14.1.json", ".device-torch/torch2.14.1.part00"]
+    #   command: python tools/device_torch.py receive .device-torch/torch2.14.1.part00
+    # and, in the call after the last piece:
+    #   command: eval "$(python tools/device_torch.py install --torch 2.14.1)"; python -c 'import torch; ...'
+
+``install`` unpacks into ``<stash>/torch<version>/site`` and prints the ``export PYTHONPATH=...``
+line that puts it first; the CUDA libraries (the ``nvidia`` package) are those of the machine's
+own torch, linked in beside it, since torch finds them relative to its own folder. Exit 2 with one
+line for a missing, corrupt or foreign piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_OUT = Path(".device-torch")
+DEFAULT_STASH = Path("/root/device-torch")
+PIECE_MIB = 58  # 64 MiB a call, less the working tree (about 3 MiB) and the manifest
+
+
+class Refused(Exception):
+    """A bad input, said in one line (exit 2)."""
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest_path(folder: Path, torch_version: str) -> Path:
+    return folder / f"torch{torch_version}.json"
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Refused(f"no manifest {path}; carry it with the piece (python tools/device_torch.py pack writes it)")
+    except json.JSONDecodeError as exc:
+        raise Refused(f"manifest {path} is not JSON ({exc}); pack again")
+
+
+def download(torch_version: str, triton_version: str, into: Path) -> list[Path]:
+    """The cp312 manylinux wheels the GPU machine's Python takes (pip's cache of this machine)."""
+    into.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "-d", str(into),
+                    f"torch=={torch_version}", f"triton=={triton_version}"], check=True)
+    return sorted(into.glob("*.whl"))
+
+
+def pack(wheels: list[Path], torch_version: str, out: Path, piece_bytes: int) -> dict:
+    """Unpack the wheels, compress them into one archive, split it; write and return the manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"torch{torch_version}.part*"):
+        old.unlink()
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        site = Path(work) / "site"
+        for wheel in wheels:
+            print(f"unpacking {wheel.name}", flush=True)
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(site)
+        archive_path = Path(work) / "site.tar.xz"
+        print(f"compressing {sum(f.stat().st_size for f in site.rglob('*') if f.is_file()) >> 20} MiB "
+              f"(xz, minutes)", flush=True)
+        with tarfile.open(archive_path, "w:xz", preset=6) as tar:
+            tar.add(site, arcname="site")
+        pieces = []
+        with open(archive_path, "rb") as f:
+            for index, block in enumerate(iter(lambda: f.read(piece_bytes), b"")):
+                piece = out / f"torch{torch_version}.part{index:02d}"
+                piece.write_bytes(block)
+                pieces.append({"name": piece.name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
+        manifest = {"torch": torch_version, "wheels": [w.name for w in wheels], "archive_sha256": sha256(archive_path),
+                    "archive_bytes": archive_path.stat().st_size, "pieces": pieces}
+    manifest_path(out, torch_version).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def receive(piece: Path, stash: Path) -> list[str]:
+    """Copy one carried piece into the stash after checking it; return the pieces still missing."""
+    torch_version = piece.name.split(".part")[0].removeprefix("torch")
+    manifest = read_manifest(manifest_path(piece.parent, torch_version))
+    expected = {p["name"]: p for p in manifest["pieces"]}
+    if piece.name not in expected:
+        raise Refused(f"{piece.name} is not a piece of torch {manifest['torch']}'s manifest; pack again")
+    if not piece.is_file():
+        raise Refused(f"{piece} was not carried; name it in the call's carry")
+    if sha256(piece) != expected[piece.name]["sha256"]:
+        raise Refused(f"{piece} differs from the manifest's SHA-256; carry it again")
+    folder = stash / f"torch{torch_version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(manifest_path(piece.parent, torch_version), folder / "manifest.json")
+    shutil.copyfile(piece, folder / piece.name)
+    return missing(folder, manifest)
+
+
+def missing(folder: Path, manifest: dict) -> list[str]:
+    return [p["name"] for p in manifest["pieces"]
+            if not (folder / p["name"]).is_file() or (folder / p["name"]).stat().st_size != p["bytes"]]
+
+
+def system_nvidia() -> Path | None:
+    """The machine's own CUDA libraries (the ``nvidia`` package beside its torch), if any."""
+    for entry in sys.path:
+        candidate = Path(entry) / "nvidia"
+        if entry and candidate.is_dir():
+            return candidate
+    return None
+
+
+def install(torch_version: str, stash: Path) -> Path:
+    """Join the stashed pieces, check the archive, unpack it; return the folder to put first on
+    PYTHONPATH."""
+    folder = stash / f"torch{torch_version}"
+    manifest = read_manifest(folder / "manifest.json")
+    lacking = missing(folder, manifest)
+    if lacking:
+        raise Refused(f"torch {torch_version}: {len(lacking)} of {len(manifest['pieces'])} pieces not received "
+                      f"({', '.join(lacking)}); carry each with python tools/device_torch.py receive PIECE")
+    site = folder / "site"
+    if (site / "torch").is_dir():
+        return site
+    joined = folder / "site.tar.xz"
+    with open(joined, "wb") as out:
+        for piece in manifest["pieces"]:
+            with open(folder / piece["name"], "rb") as f:
+                shutil.copyfileobj(f, out)
+    if sha256(joined) != manifest["archive_sha256"]:
+        joined.unlink()
+        raise Refused(f"torch {torch_version}: the joined pieces differ from the packed archive; receive them again")
+    with tarfile.open(joined) as tar:
+        tar.extractall(folder, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(folder)
+    joined.unlink()
+    nvidia = system_nvidia()
+    if nvidia is not None and not (site / "nvidia").exists():
+        (site / "nvidia").symlink_to(nvidia, target_is_directory=True)
+    return site
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="here: wheels -> one xz archive -> pieces and a manifest")
+    p.add_argument("--torch", required=True, help="torch release, e.g. 2.14.1")
+    p.add_argument("--triton", help="the triton release that torch requires (with --download)")
+    p.add_argument("--wheels", type=Path, help="a folder holding the wheels already (else they are downloaded)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the pieces go (git-ignored)")
+    p.add_argument("--piece-bytes", type=int, default=PIECE_MIB << 20, help="size of a piece")
+    r = sub.add_parser("receive", help="there: stash one carried piece outside the repository")
+    r.add_argument("piece", type=Path)
+    r.add_argument("--stash", type=Path, default=DEFAULT_STASH)
+    i = sub.add_parser("install", help="there: join, check and unpack the stashed pieces; prints export PYTHONPATH=...")
+    i.add_argument("--torch", required=True)
+    i.add_argument("--stash", type=Path, default=DEFAULT_STASH)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "pack":
+            if args.wheels is not None:
+                wheels = sorted(args.wheels.glob("*.whl"))
+                if not wheels:
+                    raise Refused(f"--wheels {args.wheels} holds no .whl file")
+            elif args.triton is None:
+                raise Refused("pass --triton (the release torch requires) to download, or --wheels DIR")
+            else:
+                wheels = download(args.torch, args.triton, args.out / "wheels")
+            manifest = pack(wheels, args.torch, args.out, args.piece_bytes)
+            print(f"{len(manifest['pieces'])} pieces, {manifest['archive_bytes'] >> 20} MiB in all, in {args.out}/; "
+                  f"carry each with {manifest_path(args.out, args.torch)}")
+        elif args.command == "receive":
+            left = receive(args.piece, args.stash)
+            print(f"stashed {args.piece.name}; " + (f"{len(left)} to come" if left else "all pieces here: install"))
+        else:
+            site = install(args.torch, args.stash)
+            print(f"export PYTHONPATH={site}{os.pathsep}${{PYTHONPATH:-}}")
+    except Refused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
