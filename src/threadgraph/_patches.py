@@ -4,6 +4,10 @@ Each patch names the upstream symbol it wraps, the hazard it addresses (a name f
 in ``_hazards.py``, rendered as docs/hazards.md), the releases it applies to, which releases were
 read and run and what changed between them, and when it can go. Patches are looked up where
 torch looks the name up at call time.
+
+This table is the one place of those release facts; each wrapper lives beside the mechanism it
+serves (``_tls``, ``_generation``, ``_gate_wrappers``, ``_fx_flag``, ``_fx_window``,
+``_first_call``, ``_fence``), and the feature detection it relies on in ``_compat``.
 """
 
 from __future__ import annotations
@@ -11,139 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _compat, _fence, _first_call, _fx_window, _generation
+from . import _compat, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
 from ._errors import ThreadgraphWarning
-from ._gate import check_settings, gate_for, released
+from ._gate import check_settings
 from ._registry import Patch, Registry, patch_names
-from ._tls import current_worker, doing, ensure_cudagraph_tls, worker_for_current_thread
 
 log = logging.getLogger("threadgraph")
-
-
-def _lazy_tls(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    local, attr_name = args[0], args[1]
-    if not hasattr(local, attr_name) and not torch._C._is_key_in_tls(attr_name):
-        ensure_cudagraph_tls()
-    return wrapped(*args, **kwargs)
-
-
-class _NoWorker:
-    """Key of the shared cudagraphify state used by threads without a worker (upstream behaviour)."""
-
-
-_NO_WORKER = _NoWorker()
-
-
-def _per_worker_cudagraphify(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    # Upstream binds the recorded function, and with it one tree manager, to the first
-    # caller (<=2.12) or to the executing thread (2.13+, so every worker's backward shares
-    # autograd's device thread). Key it by the worker instead, which travels into backward.
-    per_worker: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
-    lock = threading.Lock()
-
-    def run(new_inputs: Any) -> Any:
-        # Python threads get a worker of their own on first use (even when the generation
-        # patches are left out); autograd's threads see their caller's through the stash.
-        key = worker_for_current_thread() or _NO_WORKER
-        fn = per_worker.get(key)
-        if fn is None:
-            with lock:
-                fn = per_worker.get(key)
-                if fn is None:
-                    fn = per_worker[key] = wrapped(*args, **kwargs)
-        return fn(new_inputs)
-
-    return run
-
-
-def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:
-    index = getattr(instance, "device_index", None)
-    if index is None:  # __init__: the device index is the first argument
-        index = args[0] if args else kwargs["device_index"]
-    return f"cuda:{index}"
-
-
-_ACTIVITY = {"warmups": "warming up CUDA graphs", "captures": "recording CUDA graphs"}
-
-
-def _exclusive(counter: str | None) -> Callable:
-    def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        device = _device_of(instance, args, kwargs)
-        state = current_worker()
-        with gate_for(device).exclusive(), doing(state, _ACTIVITY.get(counter, "preparing CUDA graphs")):
-            started = time.perf_counter()
-            recording = counter == "captures" and state is not None and not state.recording
-            if counter and state is not None:
-                setattr(state, counter, getattr(state, counter) + 1)
-            if recording:
-                state.recording = True
-            try:
-                return wrapped(*args, **kwargs)
-            except RuntimeError as exc:
-                clear = _fence.explain_broken_capture(exc, device)
-                if clear is None:
-                    raise
-                raise clear from exc
-            finally:
-                if recording:
-                    state.recording = False
-                    state.capture_seconds += time.perf_counter() - started
-
-    return wrapper
-
-
-def _release_slots(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    with released():
-        return wrapped(*args, **kwargs)
-
-
-def _compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    # Dynamo's frame callback: it takes the compile lock only on a cache miss, so the slots go
-    # first (hazard global-compile-lock); the time is the worker's compile time.
-    state = current_worker()
-    frame = args[0] if args else None
-    code = getattr(frame, "f_code", None)
-    _first_call.note_compile()  # also for a call run uncompiled: it must not settle its code's turns
-    # A miss during another thread's FX trace (its patched nn.Module.__call__ fails guards) waits
-    # for it, then runs uncompiled once where cached code fits now (hazard global-fx-patcher).
-    uncompiled = _fx_window.instead_of_compiling(instance, frame)
-    if uncompiled is not None:
-        return uncompiled
-    started = time.perf_counter()  # after the wait, which counts as waiting for a peer
-    with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if state is not None:
-                state.compile_seconds += time.perf_counter() - started
-
-
-_fx_tracing = threading.local()
-
-
-def _fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    _fx_tracing.depth = getattr(_fx_tracing, "depth", 0) + 1
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _fx_tracing.depth -= 1
-
-
-# Upstream's rules, on this thread's own tracing instead of any thread's.
-def _fx_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return getattr(_fx_tracing, "depth", 0) > 0
-
-
-def _fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return getattr(_fx_tracing, "depth", 0) > 0 and not torch.compiler.is_compiling()
 
 
 _TREES = "torch._inductor.cudagraph_trees"
@@ -170,7 +52,7 @@ PATCHES = [
     Patch("lazy_tls", f"{_TREES}:get_obj", "tls-assert", "2.1 - 2.12 (feature-detected)",
           "torch>=2.13 everywhere (upstream initialises TLS lazily)",
           "pytorch/pytorch#123177, pytorch/pytorch#184357 (the fix, first in 2.13)",
-          _lazy_tls, applies=_compat.get_obj_asserts, read=_READ, run=_RUN_CPU_SIM,
+          _tls.lazy_tls, applies=_compat.get_obj_asserts, read=_READ, run=_RUN_CPU_SIM,
           changes="not applied on 2.13+ (`_initialize_tls` present); 2.15 changed only a type annotation"),
     Patch("worker_mark_step", f"{_TREES}:mark_step_begin", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN, _NONE,
           _generation.worker_mark_step, read=_READ, run=_RUN,
@@ -196,36 +78,36 @@ PATCHES = [
     Patch("worker_cudagraphify", "torch._inductor.compile_fx:cudagraphify", "shared-cudagraphify-state",
           "2.1 - 2.15.0", "upstream keys cudagraphify state by a TLS object that travels into backward",
           "pytorch/pytorch#184357 (per host thread, which backward defeats), pytorch/pytorch#186192",
-          _per_worker_cudagraphify, read=_READ, run=_RUN,
+          _tls.per_worker_cudagraphify, read=_READ, run=_RUN,
           changes="2.14 added keyword arguments (`kernel_free_cudagraph`, `user_visible_output_idxs`), 2.15 more "
                   "(re-record limits, initial pool size); all keep one `threading.local` per graph and every "
                   "caller imports the function from compile_fx at call time (2.15's default `CUDAGraphPolicy` too), "
                   "so the per-worker wrapper, which passes every argument through, still applies"),
     Patch("gate_manager_init", f"{_MANAGER}.__init__", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
-          _exclusive(None), read=_READ, run=_RUN,
+          _gate_wrappers.exclusive(None), read=_READ, run=_RUN,
           changes="2.15 added a keyword `initial_mempool_allocation_gb` and primes the private pool with a device "
                   "allocation (more reason to hold the gate); `device_index` is still the first argument"),
     Patch("gate_warmup", f"{_MANAGER}.run_eager", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
-          _exclusive("warmups"), read=_READ, run=_RUN,
+          _gate_wrappers.exclusive("warmups"), read=_READ, run=_RUN,
           changes="2.14 records the function being warmed up (`active_warmup_function`); 2.15 as 2.14"),
     Patch("gate_pool_checkpoint", f"{_MANAGER}.apply_checkpoint_execution_state_in_allocator", "device-wide-capture",
-          "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE, _exclusive(None), read=_READ, run=_RUN, changes=_GATE_SAME),
+          "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE, _gate_wrappers.exclusive(None), read=_READ, run=_RUN, changes=_GATE_SAME),
     Patch("gate_record", f"{_MANAGER}.record_function", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
-          _exclusive("captures"), read=_READ, run=_RUN,
+          _gate_wrappers.exclusive("captures"), read=_READ, run=_RUN,
           changes=_GATE_SAME + "; 2.15 passes liveness state and demoted input indices to the new node"),
     Patch("fx_trace_marks_thread", "torch.fx._symbolic_trace:Tracer.trace", "global-fx-tracing-flag",
-          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_trace_marks_thread,
+          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_flag.fx_trace_marks_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global() and _compat.dynamo_fx_tracing_check() is not None,
           read=_READ, run=_RUN,
           changes="2.14 keeps the flag in a `threading.local` (`_is_fx_tracing_tls`): not applied on 2.14.1, 2.15.0"),
     Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing", "global-fx-tracing-flag",
-          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_symbolic_tracing_in_this_thread,
+          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_flag.fx_symbolic_tracing_in_this_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global()
           and _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing",
           read=_READ, run=_RUN, changes="2.14 reads the per-thread flag: not applied on 2.14.1, 2.15.0"),
     Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", "global-fx-tracing-flag",
           "releases with the global flag and without is_fx_symbolic_tracing", _UNTIL_FX, _FX_UPSTREAM,
-          _fx_tracing_in_this_thread,
+          _fx_flag.fx_tracing_in_this_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global() and _compat.dynamo_fx_tracing_check() == "is_fx_tracing",
           read=_READ, run="CPU tests on 2.13.0, 2.14.1, 2.15.0 (not applied on any of them)",
           changes="2.13.0 - 2.15.0 all have `is_fx_symbolic_tracing`, so this one is not applied there"),
@@ -234,7 +116,7 @@ PATCHES = [
     # the lock (the second one-GPU DFlash stall on an H200).
     Patch("gate_release_in_compile", "torch._dynamo.convert_frame:CatchErrorsWrapper.__call__", "global-compile-lock",
           "releases with CatchErrorsWrapper (feature-detected)", "never (the lock is process-wide)",
-          "pytorch/pytorch#105943 (the compile region's one lock)", _compile_frame,
+          "pytorch/pytorch#105943 (the compile region's one lock)", _gate_wrappers.compile_frame,
           applies=lambda: _compat.dynamo_frame_callback() is not None, read=_READ,
           run=_RUN + "; measured with 8 DFlash workers on one GPU",
           changes="2.14 passes `apply_to_code` when it skips a frame; 2.15 as 2.14; `compile_lock` is still one "
@@ -258,10 +140,10 @@ PATCHES = [
                   "module global in 2.13.0 - 2.15.0 and compares two by `__eq__` (config, dynamic, name); 2.11's "
                   "BACKEND_MATCH guard compares identities"),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread", "2.1 - 2.15.0",
-          "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
+          "never (inherent to autograd's device threads)", _NONE, _gate_wrappers.release_slots, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0"),
     Patch("gate_release_in_grad", "torch.autograd:grad", "autograd-device-thread", "2.1 - 2.15.0",
-          "never (inherent to autograd's device threads)", _NONE, _release_slots, read=_READ, run=_RUN,
+          "never (inherent to autograd's device threads)", _NONE, _gate_wrappers.release_slots, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0"),
 ]
 

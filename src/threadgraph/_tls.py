@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -225,3 +225,40 @@ def worker_for_current_thread() -> Optional[WorkerState]:
     state = WorkerState(thread.name)
     bind_worker(state)
     return state
+
+
+# -- the wrappers of patches lazy_tls and worker_cudagraphify (_patches.PATCHES) --------------
+def lazy_tls(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    local, attr_name = args[0], args[1]
+    if not hasattr(local, attr_name) and not torch._C._is_key_in_tls(attr_name):
+        ensure_cudagraph_tls()
+    return wrapped(*args, **kwargs)
+
+
+class _NoWorker:
+    """Key of the shared cudagraphify state used by threads without a worker (upstream behaviour)."""
+
+
+_NO_WORKER = _NoWorker()
+
+
+def per_worker_cudagraphify(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # Upstream binds the recorded function, and with it one tree manager, to the first
+    # caller (<=2.12) or to the executing thread (2.13+, so every worker's backward shares
+    # autograd's device thread). Key it by the worker instead, which travels into backward.
+    per_worker: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
+    lock = threading.Lock()
+
+    def run(new_inputs: Any) -> Any:
+        # Python threads get a worker of their own on first use (even when the generation
+        # patches are left out); autograd's threads see their caller's through the stash.
+        key = worker_for_current_thread() or _NO_WORKER
+        fn = per_worker.get(key)
+        if fn is None:
+            with lock:
+                fn = per_worker.get(key)
+                if fn is None:
+                    fn = per_worker[key] = wrapped(*args, **kwargs)
+        return fn(new_inputs)
+
+    return run
