@@ -290,8 +290,8 @@ def measured(results: Path, prefix: str = "") -> str:
                          f"runs ({where}; {built}; {link}).")
         build = [run["build_s"] for run in runs if run.get("build_s") is not None]
         if build:
-            lines.append(f"- the trainer's build (load, assets) in those GPU runs: {_span(build, '{:.0f}')} s, the "
-                         f"longest where the run built the assets, the others loading them from the cache ({link}).")
+            lines.append(f"- the trainer's build (load, assets) in those GPU runs: {_span(build, '{:.0f}')} s: loading the "
+                         f"cached assets, or building them where a run found none (its .md says which run built them; {link}).")
     if not lines:
         return "No tau or build-time results committed yet (`python benchmarks/tau_reproducibility.py`, `python benchmarks/trainer_startup.py`)."
     return "\n".join(lines)
