@@ -22,7 +22,7 @@ from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
 
 def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Optional[dict] = None,
              estimate: Optional[dict] = None) -> dict:
-    """The figures the README table shows, from both cells.
+    """The figures the DFlash table of docs/results.md shows, from both cells.
 
     GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
     seq_len per batch over the busiest device's kernel time per batch (sequential loop, under

@@ -10,7 +10,7 @@ This script turns the records of ``tests/gpu_scenarios.py``'s scenarios into one
 (a file of that date gets the phase added; a label it already has is refused), and writes the
 file's ``.md``. A run that failed is kept as ``{"error": ...}``; with the junit XML in the folder
 the phase also holds every test's outcome (``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000``
-gives the README's 1000-step figures.
+gives the 1000-step figures of docs/results.md.
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ def readme_headlines(results: Path, prefix: str = "") -> str:
         verdict = "met" if low >= TARGET_RATIO else ("met by some" if high >= TARGET_RATIO else "not met")
         lines.append(f"- **DFlash trainer, threaded against one thread**: the 5 target + 3 drafter threads train at "
                      f"{low:.2f} - {high:.2f}x the drafter tokens/s of one thread doing the same steps in turn, over "
-                     f"{len(runs)} target sizes and graphs modes (best: {_target(best_data)}, {best_data['graphs']}, "
+                     f"{len(runs)} runs of {len({d['shape'] for d, _ in runs})} target sizes in {len({d['graphs'] for d, _ in runs})} graphs "
+                     f"modes (best: {_target(best_data)}, {best_data['graphs']}, "
                      f"{_num(best_data.get('tokens_per_s_threaded'))} against {_num(best_data.get('tokens_per_s_sequential'))}); "
                      f"the aim was {TARGET_RATIO}x, {verdict} ({best_data['env'].get('gpu') or 'CPU'}, torch "
                      f"{best_data['env'].get('torch')}; [{best_name}]({prefix}benchmarks/results/{best_name})).")

@@ -12,7 +12,7 @@ Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-gra
 second start does. Its ``--json`` line is kept whole under the run's name, with ``recompiles`` (how
 many "Recompiling function" records Dynamo logged) and their first lines, and ``took_s``, the
 process's wall time. The results go to ``benchmarks/results/dflash-trainer-startup_...``; with
-``--append`` a run of a name already there replaces it. Needs a GPU for the figures the README
+``--append`` a run of a name already there replaces it. Needs a GPU for the figures docs/results.md
 quotes; on a CPU the trainer runs eager, so its startup says nothing about graphs.
 """
 
