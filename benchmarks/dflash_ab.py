@@ -9,9 +9,9 @@ lists every run with the sequential loop's host time per batch beside it (how fa
 during that run)::
 
     git worktree add /tmp/before 1635c9d          # or: mkdir /tmp/before; git archive 1635c9d | tar -x -C /tmp/before
-    python benchmarks/dflash_ab.py --tree before=/tmp/before --tree after=. --reps 2 --work /tmp/ab \\
+    python -m benchmarks dflash-ab --tree before=/tmp/before --tree after=. --reps 2 --work /tmp/ab \\
         -- --cuda-graphs whole-step --steps 60
-    python benchmarks/dflash_ab.py --summarize /tmp/ab    # the summary again, from the runs' own files
+    python -m benchmarks dflash-ab --summarize /tmp/ab    # the summary again, from the runs' own files
 
 Each run's results land in ``WORK/<tree>-<rep>/`` (emptied first); ``WORK/runs.json`` records the
 order they ran in. Run it again on the same ``--work`` (same arguments) to add turns after the

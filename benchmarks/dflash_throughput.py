@@ -1,9 +1,9 @@
 """Drafter tokens/s: the threaded 5 + 3 DFlash pipeline against a sequential colocated loop.
 
-    python benchmarks/dflash_throughput.py                        # GPU: cuda:0, default assets
-    python benchmarks/dflash_throughput.py --devices cuda:0,cuda:1
-    python benchmarks/dflash_throughput.py --target-shape 0.6b    # a random-init Qwen3-0.6B-shaped target
-    python benchmarks/dflash_throughput.py --quick                # CPU reduced form (tiny assets)
+    python -m benchmarks dflash-throughput                        # GPU: cuda:0, default assets
+    python -m benchmarks dflash-throughput --devices cuda:0,cuda:1
+    python -m benchmarks dflash-throughput --target-shape 0.6b    # a random-init Qwen3-0.6B-shaped target
+    python -m benchmarks dflash-throughput --quick                # CPU reduced form (tiny assets)
 
 threaded: ``examples.dflash_trainer.train.train`` with T target threads producing features and
 D drafter threads training on them (threadgraph workers). Its tokens/s is the trainer's own

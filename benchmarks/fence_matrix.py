@@ -1,7 +1,7 @@
 """Which eager ops of a bystander thread survive other threads' warm-ups and recordings, with and
 without threadgraph's eager fence; and pytorch#123177's repro, run after run.
 
-    python benchmarks/fence_matrix.py [--runs 20] [--parallel 4] [--out-dir benchmarks/results]
+    python -m benchmarks fence-matrix [--runs 20] [--parallel 4] [--out-dir benchmarks/results]
 
 Each cell (op class x training/inference x fenced/unfenced) and each repro run is a fresh process
 of ``tests/gpu_fence_scenarios.py`` (a broken capture can poison a process). Writes

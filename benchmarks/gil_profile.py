@@ -1,7 +1,7 @@
 """Where the threaded DFlash pipeline's GIL time goes: py-spy samples of a running trainer.
 
-    python benchmarks/gil_profile.py --cuda-graphs whole-step --steps 2000   # GPU, cuda:0
-    python benchmarks/gil_profile.py --quick --steps 200                     # CPU reduced form
+    python -m benchmarks gil-profile --cuda-graphs whole-step --steps 2000   # GPU, cuda:0
+    python -m benchmarks gil-profile --quick --steps 200                     # CPU reduced form
 
 It trains in this process with the throughput bench's settings (every option of
 ``dflash_throughput.py`` applies) and, once the leader has logged ``--start-step`` steps (after

@@ -1,7 +1,7 @@
 """The ``gpu-scenarios`` results file, from the records of a GPU test run.
 
     THREADGRAPH_GPU_LOG=/tmp/gpu-log python -m pytest -m gpu -n 8 --junitxml=/tmp/gpu-log/junit.xml
-    python benchmarks/gpu_scenarios_results.py /tmp/gpu-log --label suite
+    python -m benchmarks gpu-scenarios /tmp/gpu-log --label suite
 
 With THREADGRAPH_GPU_LOG naming a folder, ``tests/gpu_process.py`` writes every scenario run's
 record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
@@ -10,7 +10,7 @@ This script turns the records of ``tests/gpu_scenarios.py``'s scenarios into one
 (a file of that date gets the phase added; a label it already has is refused), and writes the
 file's ``.md``. A run that failed is kept as ``{"error": ...}``; with the junit XML in the folder
 the phase also holds every test's outcome (``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000``
-gives the README's 1000-step figures.
+gives the 1000-step figures of docs/results.md.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def collect(folder: Path, label: str, out_dir: Path) -> Path:
 
 def render(data: dict, env: dict) -> str:
     lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
-             "Written by `python benchmarks/gpu_scenarios_results.py` from the records of the GPU tests "
+             "Written by `python -m benchmarks gpu-scenarios` from the records of the GPU tests "
              "(`tests/gpu_scenarios.py`, each scenario in a fresh process); one section per phase, a test run.", ""]
     for label, phase in data.items():
         rows = []

@@ -1,6 +1,6 @@
 """What ``threadgraph.install()`` costs a single-threaded user: replay step p50 with and without it.
 
-    python benchmarks/install_overhead.py [--turns 3] [--steps 400] [--out-dir benchmarks/results]
+    python -m benchmarks install-overhead [--turns 3] [--steps 400] [--out-dir benchmarks/results]
 
 The main thread trains (forward, backward, SGD) and infers the small launch-bound model
 (24 x [Linear 512, GELU, LayerNorm], batch 16, bf16) with CUDAGraph Trees; nothing else runs.
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         summary[task] = {"plain_p50_ms": plain, "installed_p50_ms": installed, "ratio": installed / plain}
     record = {"theme": "install-overhead", "env": env, "steps": args.steps, "turns": args.turns,
               "runs": runs, "summary": summary,
-              "command": f"python benchmarks/install_overhead.py --turns {args.turns} --steps {args.steps}"}
+              "command": f"python -m benchmarks install-overhead --turns {args.turns} --steps {args.steps}"}
     rows = [[task, common.fmt(s["plain_p50_ms"], 3), common.fmt(s["installed_p50_ms"], 3), common.fmt(s["ratio"], 3)]
             for task, s in summary.items()]
     table = common.markdown_table(["task", "plain p50 ms", "install() p50 ms", "install() / plain"], rows)

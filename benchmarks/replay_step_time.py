@@ -1,8 +1,8 @@
 """Per-thread step time of a training step and an inference step, by compile mode and placement.
 
-    python benchmarks/replay_step_time.py                 # GPU: everything (several minutes)
-    python benchmarks/replay_step_time.py --quick         # fewer steps, no process placements
-    python benchmarks/replay_step_time.py --model dflash --tasks train --modes eager,reduce-overhead
+    python -m benchmarks step-time                 # GPU: everything (several minutes)
+    python -m benchmarks step-time --quick         # fewer steps, no process placements
+    python -m benchmarks step-time --model dflash --tasks train --modes eager,reduce-overhead
 
 Modes: eager; compile (torch.compile default mode); reduce-overhead (CUDAGraph Trees, in
 threads through threadgraph.CompiledWorkerThread); whole-step (threadgraph.capture_step: one

@@ -1,7 +1,7 @@
 """Does the embedded default reproduce? Build it fresh N times, compare the builds bit for bit, and
 train the default drafter on some of them: acceptance length tau with its baselines per build.
 
-    python benchmarks/tau_reproducibility.py --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
+    python -m benchmarks tau-reproducibility --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
 
 Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, about 3 minutes
 on 2 CPU cores; a complete one is reused). The first ``--train`` of them get a default trainer run

@@ -1,10 +1,10 @@
 """The trainer's startup: the README's main job, each run in a fresh process on an empty Inductor
 cache, to its first steady step, with the compiles of each worker and Dynamo's recompilations.
 
-    python benchmarks/trainer_startup.py                      # Trees, whole-step, then Trees again on Trees' cache
-    python benchmarks/trainer_startup.py --graphs trees --no-restart --label "before X"   # one run, named
-    python benchmarks/trainer_startup.py --append --label "after X"   # add runs to today's file
-    python benchmarks/trainer_startup.py --report FILE.json   # the .md again from a results file
+    python -m benchmarks trainer-startup                      # Trees, whole-step, then Trees again on Trees' cache
+    python -m benchmarks trainer-startup --graphs trees --no-restart --label "before X"   # one run, named
+    python -m benchmarks trainer-startup --append --label "after X"   # add runs to today's file
+    python -m benchmarks trainer-startup --report FILE.json   # the .md again from a results file
 
 Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-graphs whole-step]``
 (the arguments after ``--`` added) with ``TORCHINDUCTOR_CACHE_DIR`` an empty folder of its own and
@@ -12,7 +12,7 @@ Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-gra
 second start does. Its ``--json`` line is kept whole under the run's name, with ``recompiles`` (how
 many "Recompiling function" records Dynamo logged) and their first lines, and ``took_s``, the
 process's wall time. The results go to ``benchmarks/results/dflash-trainer-startup_...``; with
-``--append`` a run of a name already there replaces it. Needs a GPU for the figures the README
+``--append`` a run of a name already there replaces it. Needs a GPU for the figures docs/results.md
 quotes; on a CPU the trainer runs eager, so its startup says nothing about graphs.
 """
 

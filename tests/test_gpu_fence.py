@@ -1,7 +1,7 @@
 """GPU tests of the eager fence: each scenario of tests/gpu_fence_scenarios.py in a fresh process.
 
 ``benchmarks/fence_matrix.py`` runs the same scenarios with the fence switched off too and writes
-the table the README quotes; these tests assert the fenced side and the hazard it removes."""
+the table docs/results.md quotes; these tests assert the fenced side and the hazard it removes."""
 
 import concurrent.futures
 import os

@@ -1,4 +1,4 @@
-"""The hazard catalogue: one name per hazard, used by every patch, doctor, the README and
+"""The hazard catalogue: one name per hazard, used by every patch, doctor, docs/patches.md and
 docs/hazards.md (rendered from the catalogue; the committed page must be the rendered one)."""
 
 import pathlib
@@ -64,14 +64,16 @@ def test_unknown_names_are_rejected_with_the_known_ones():
         _hazards.get("global generation")
 
 
-def test_readme_patch_table_names_each_patchs_hazard_and_links_the_catalogue():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+def test_the_patch_table_names_each_patchs_hazard_and_the_readme_and_table_link_the_catalogue():
+    table = (ROOT / "docs" / "patches.md").read_text(encoding="utf-8")
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
     for patch in PATCHES:
         row = next((r for r in rows if f"`{patch.name}`" in r), None)
-        assert row is not None, f"README's patch table lacks {patch.name}"
+        assert row is not None, f"docs/patches.md's patch table lacks {patch.name}"
         assert f"`{patch.hazard}`" in row, (patch.name, row)
-    assert "docs/hazards.md" in readme
+    assert "](hazards.md)" in table
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "](docs/hazards.md)" in readme and "](docs/patches.md)" in readme
 
 
 def test_the_library_its_tests_and_docs_name_hazards_only_from_the_catalogue():

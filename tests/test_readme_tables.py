@@ -1,7 +1,10 @@
-"""benchmarks/readme_tables.py: the README's DFlash table is a function of the committed results."""
+"""benchmarks/readme_tables.py: the generated sections of README.md, docs/results.md and the trainer's
+README are a function of the committed results; the README stays one screen, keeps .ci/run's test
+command, and every relative link of the pages points to a file that exists."""
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -30,11 +33,22 @@ BUILD_REPORT = {"spec": {"num_layers": 6, "hidden_size": 128, "train_steps": 500
 
 
 def _readme(tmp_path):
-    path = tmp_path / "README.md"
+    """A repository root holding every page with its markers; returns docs/results.md (the tables)."""
+    root = tmp_path / "root"
+    (root / "docs").mkdir(parents=True)
+    (root / "examples" / "dflash_trainer").mkdir(parents=True)
+    (root / "README.md").write_text("# x\n\n<!-- readme-headlines:begin -->\n<!-- readme-headlines:end -->\n")
+    (root / "examples" / "dflash_trainer" / "README.md").write_text(
+        "# t\n\n<!-- dflash-measured:begin -->\nold\n<!-- dflash-measured:end -->\n")
+    path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
                     "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\n"
                     "<!-- results-headlines:begin -->\n<!-- results-headlines:end -->\n\nafter\n")
     return path
+
+
+def _argv(results, readme):
+    return ["--results", str(results), "--root", str(readme.parent.parent)]
 
 
 def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_mode(tmp_path):
@@ -44,7 +58,7 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     newest = _result(results, "0.6b", "trees", "2026-12-01", 240_000.0)
     toy = _result(results, "default", "whole-step", "2026-12-01", 700_000.0)
     readme = _readme(tmp_path)
-    argv = ["--results", str(results), "--readme", str(readme)]
+    argv = _argv(results, readme)
     assert readme_tables.main(argv) == 0
     first = readme.read_text()
     assert readme_tables.main(argv) == 0 and readme.read_text() == first
@@ -74,7 +88,7 @@ def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     readme = _readme(tmp_path)
-    argv = ["--results", str(results), "--readme", str(readme)]
+    argv = _argv(results, readme)
     assert readme_tables.main(argv + ["--check"]) == 1  # "old" is not what no results give
     readme_tables.main(argv)
     assert "No results yet" in readme.read_text() and readme_tables.main(argv + ["--check"]) == 0
@@ -93,7 +107,7 @@ def test_a_sequential_startup_on_the_threaded_cells_cache_is_marked_and_given_no
         data["sequential"] = {}
         (results / name).write_text(json.dumps(data))
     readme = _readme(tmp_path)
-    assert readme_tables.main(["--results", str(results), "--readme", str(readme)]) == 0
+    assert readme_tables.main(_argv(results, readme)) == 0
     row = next(line for line in readme.read_text().splitlines() if "Qwen3-8B shape" in line)
     assert "| 41.0 | 20.5 (on the threaded cell's cache) | - (not comparable) |" in row
 
@@ -109,7 +123,7 @@ def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_
     (results / "gpu-scenarios_nvidia-h200_torch2.11.0_2026-11-29.json").write_text(json.dumps(
         {"lanes (before the fixes)": {"many_workers_8_steps_1000": many}, "recheck": {"many_workers_8_steps_1000": fixed}}))
     readme = _readme(tmp_path)
-    assert readme_tables.main(["--results", str(results), "--readme", str(readme)]) == 0
+    assert readme_tables.main(_argv(results, readme)) == 0
     section = readme.read_text().split("<!-- results-headlines:begin -->")[1].split("<!-- results-headlines:end -->")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 2, rows
@@ -141,7 +155,125 @@ def test_the_peak_memory_column_sets_the_measured_peak_beside_the_estimate(tmp_p
     (results / measured).write_text(json.dumps({**data, "peak_memory_gib_threaded": 134.47, "memory_estimate_gib": 109.2}))
     _result(results, "14b", "trees", "2026-12-01", 16_000.0)  # written before peaks were recorded
     readme = _readme(tmp_path)
-    assert readme_tables.main(["--results", str(results), "--readme", str(readme)]) == 0
+    assert readme_tables.main(_argv(results, readme)) == 0
     rows = {line.split(" | ")[0]: line for line in readme.read_text().splitlines() if "shape, random init" in line}
     assert "| 6.6 | 134 (109) | [" in rows["| Qwen3-32B shape, random init (0.44B params)"]
     assert "| 6.6 | - (not recorded) | [" in rows["| Qwen3-14B shape, random init (0.44B params)"]
+
+
+def _tau_results(results, taus=(2.31, 2.31), build_s=(690.0, 1100.0), python="3.11.7", transformers="5.24.0"):
+    runs = [{"tau": t, "tau_random_init": 1.01, "tau_repeat_last_token": 1.006, "steps": 252} for t in taus]
+    report = dict(BUILD_REPORT, versions={"python": python, "transformers": transformers, "torch": "2.13.0+cpu"})
+    (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
+        {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0+cpu", "python": python},
+         "bit_identical": True, "differing_files": [], "tau": {"min": min(taus), "max": max(taus)},
+         "builds": [{"run": run, "report": report, "build_s": s} for run, s in zip(runs, build_s)]}))
+
+
+def _links(page: Path) -> list[str]:
+    """The relative link targets of a Markdown page (external links and in-page anchors left out)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8"))
+    return [t for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    """Each relative link of ``page`` whose file does not exist, or whose #anchor is no heading of it."""
+    broken = []
+    for link in _links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve()
+        if not target.exists():
+            broken.append(link)
+        elif anchor and target.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(link)
+    return broken
+
+
+def _pages():
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples" / "dflash_trainer").glob("*.md"))]
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_points_to_an_existing_file():
+    pages = _pages()
+    assert len(pages) >= 8 and all(p.exists() for p in pages)
+    assert {p.name: broken_links(p) for p in pages} == {p.name: [] for p in pages}
+    assert sum(len(_links(p)) for p in pages) > 50  # the check reads links at all
+
+
+def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "usage.md").write_text("# Usage\n\n## Plain threads\n")
+    page = tmp_path / "README.md"
+    page.write_text("[a](docs/usage.md) [b](docs/usage.md#plain-threads) [c](docs/gone.md) [d](docs/usage.md#nope) "
+                    "[e](https://example.com/x) [f](#here)\n")
+    assert broken_links(page) == ["docs/gone.md", "docs/usage.md#nope"]
+
+
+def test_the_readme_is_one_screen_and_holds_ci_runs_test_command_verbatim():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.split()) <= 900
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    marker = next(i for i, line in enumerate(ci) if "the README's test command, verbatim" in line)
+    command = ci[marker + 1].strip().split(" 2>&1")[0]  # what .ci/run adds after it: its log
+    assert command.startswith("pip install") and command in [line.strip() for line in readme.splitlines()]
+    assert "python -m examples.dflash_trainer" in [line.strip().split(" && ")[-1] for line in readme.splitlines()]
+
+
+def _root_with_results(tmp_path):
+    page = _readme(tmp_path)
+    root = page.parent.parent
+    results = root / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    return root, results
+
+
+def test_the_readme_headlines_link_their_files_from_every_page_and_say_whether_the_dflash_aim_was_met(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    (results / "conformance_nvidia-h200_torch2.11.0_2026-12-02.json").write_text(json.dumps(
+        {"placements": ["main", "worker+install"], "cases": 2, "equal": 2, "rows": [{"case": "a", "equal": True}] * 2}))
+    _result(results, "default", "whole-step", "2026-12-01", 135_000.0)  # 0.54x
+    best = _result(results, "0.6b", "trees", "2026-12-02", 260_000.0)  # 1.04x
+    argv = ["--results", str(results), "--root", str(root)]
+    assert readme_tables.main(argv) == 0
+    section = (root / "README.md").read_text().split("<!-- readme-headlines:begin -->")[1].split("<!-- readme-headlines:end -->")[0]
+    dflash = next(line for line in section.splitlines() if "DFlash" in line)
+    assert "0.54 - 1.04x" in dflash and f"aim was {readme_tables.TARGET_RATIO}x, not met" in dflash and best in dflash
+    for page in ("README.md", "docs/results.md", "examples/dflash_trainer/README.md"):
+        links = _links(root / page)
+        assert all((root / page).parent.joinpath(link).resolve().exists() for link in links), (page, links)
+    assert _links(root / "README.md") and _links(root / "docs" / "results.md")
+    _result(results, "8b", "whole-step", "2026-12-03", 400_000.0)  # 1.60x
+    assert readme_tables.main(argv + ["--check"]) == 1
+    readme_tables.main(argv)
+    assert "0.54 - 1.60x" in (root / "README.md").read_text() and ", met by some (" in (root / "README.md").read_text()
+
+
+def test_tau_and_the_build_time_are_given_as_ranges_with_what_they_depend_on(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    _tau_results(results, taus=(2.31, 2.62), build_s=(462.0, 660.0), python="3.11.7", transformers="5.24.0")
+    startup = {"env": {"gpu": "NVIDIA H200", "python": "3.12.3", "torch": "2.11.0+cu130"}}
+    for i, (tau, python, build) in enumerate(((2.95, "3.11.7", 17.0), (2.92, "3.11.7", 15.0), (2.08, "3.12.3", 57.0))):
+        startup[f"run {i}"] = {"eval": {"tau": tau}, "build_s": build, "startup_s": 100.0, "placement": "targets on cuda:0",
+                               "baseline": {"tau_random_init": 1.01, "tau_repeat_last_token": 1.1}, "mode": "whole-step",
+                               "total_steps": 252, "tokens_per_s_steady": 6e5,
+                               "target_report": {"versions": {"python": python, "transformers": "5.17.0"}}}
+    (results / "dflash-trainer-startup_nvidia-h200_torch2.11.0_2026-12-02.json").write_text(json.dumps(startup))
+    argv = ["--results", str(results), "--root", str(root)]
+    assert readme_tables.main(argv + ["--check"]) == 1  # the trainer README's "old"
+    assert readme_tables.main(argv) == 0 and readme_tables.main(argv + ["--check"]) == 0
+    text = (root / "examples" / "dflash_trainer" / "README.md").read_text()
+    lines = text.split("<!-- dflash-measured:begin -->")[1].split("<!-- dflash-measured:end -->")[0].strip().splitlines()
+    cpu_tau, build, *gpu = lines
+    assert "CPU (float32): 2.31 - 2.62 over 2 runs" in cpu_tau and "Python 3.11.7, transformers 5.24.0" in cpu_tau
+    assert "7.7 - 11.0 min per build over 2 builds" in build
+    assert "GPU (bfloat16): 2.92 - 2.95 over 2 runs" in gpu[0] and "target built with Python 3.11.7" in gpu[0]
+    assert "GPU (bfloat16): 2.08 over 1 runs" in gpu[1] and "target built with Python 3.12.3" in gpu[1]
+    assert "15 - 57 s" in gpu[2]
+    assert "](../../benchmarks/results/dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json)" in cpu_tau
