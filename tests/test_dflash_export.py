@@ -1,4 +1,4 @@
-"""CPU tests of the DFlash export (examples/dflash_trainer/export.py): the round trip through the
+"""CPU tests of the DFlash export (examples/dflash_trainer/export/): the round trip through the
 z-lab format continues training with the same losses, the configs record the run's facts, and
 every refusal says what is wrong and what to do. The comparison against the reference
 implementation is tests/test_dflash_export_reference.py (own venv)."""
@@ -16,10 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from export_fixtures import load_heads, make_checkpoint, make_random_target
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import WEIGHTS
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.export import ExportError, export, load_zlab_drafter, main
+from examples.dflash_trainer.export.export import export, main
+from examples.dflash_trainer.export.source import ExportError
+from examples.dflash_trainer.export.zlab import load_zlab_drafter
 from examples.dflash_trainer.train import train
 
 
@@ -262,7 +264,7 @@ def test_an_out_that_is_a_file_gets_one_line(random_run, tmp_path, capsys):
 def test_a_target_shape_run_exports_against_its_shape_without_target(random_run, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from examples.dflash_trainer import assets, shapes
+    from examples.dflash_trainer.assets import assets, shapes
     from examples.dflash_trainer.checkpoint import read_state, save_checkpoint
 
     run, target, drafter = random_run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.outdir import OutDirError, RunLock
@@ -145,7 +145,7 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
 def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_assets, tmp_path, monkeypatch, caplog):
     from collections import namedtuple
 
-    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.assets import sizes
     from examples.dflash_trainer.target import TargetModel
 
     cfg = config(tiny_assets, tmp_path / "run", max_steps=4, checkpoint_every=1)

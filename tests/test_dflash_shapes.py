@@ -6,14 +6,13 @@ import logging
 import pytest
 import torch
 
-from examples.dflash_trainer import assets as assets_module
+from examples.dflash_trainer.assets import assets as assets_module
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer import shapes as shapes_module
-from examples.dflash_trainer import sizes
-from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
+from examples.dflash_trainer.assets import shapes as shapes_module
+from examples.dflash_trainer.assets.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
 from examples.dflash_trainer.train import train
 
 VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
@@ -110,7 +109,7 @@ def test_a_shape_too_large_for_the_cache_disk_is_refused_before_drawing(tiny_ass
 
 
 def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sizes, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
+    monkeypatch.setattr(shapes_module, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
     with pytest.raises(NoRoomToBuild, match=r"target shape tiny: drawing its 0\.0 GiB of weights needs that much free "
                                             r"memory on cpu \(0\.0 GiB free\)"):

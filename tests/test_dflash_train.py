@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if config.target_shape is not None:
-        from .shapes import RANDOM_WEIGHTS_WARNING
+        from .assets.shapes import RANDOM_WEIGHTS_WARNING
 
         print(f"WARNING: {RANDOM_WEIGHTS_WARNING} (the first run with a shape builds and caches it)",
               file=sys.stderr, flush=True)
