@@ -48,7 +48,7 @@ def tiny_config(assets, out_dir, **overrides):
 
 
 def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_assets, tmp_path):
-    full = train(tiny_config(tiny_assets, tmp_path / "full"))["losses"]
+    full = train(tiny_config(tiny_assets, tmp_path / "full")).losses
     split = tmp_path / "split"
     train(tiny_config(tiny_assets, split, checkpoint_every=4))
     (split / "checkpoints" / "latest").write_text("step_00000004\n")  # as if killed after step 4
@@ -70,9 +70,9 @@ def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_asset
     manifest["files"][WEIGHTS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     resumed = train(tiny_config(tiny_assets, split, checkpoint_every=4, resume=True))
-    assert resumed["start_step"] == 4
-    print(f"\nround trip: uninterrupted steps 5-10 {full[4:]}\n            exported+reloaded   {resumed['losses']}")
-    assert resumed["losses"] == full[4:]
+    assert resumed.start_step == 4
+    print(f"\nround trip: uninterrupted steps 5-10 {full[4:]}\n            exported+reloaded   {resumed.losses}")
+    assert resumed.losses == full[4:]
 
 
 def test_the_zlab_config_records_the_target_layers_block_size_and_mask_token(random_run, tmp_path):

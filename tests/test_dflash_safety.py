@@ -50,7 +50,7 @@ def cli_args(assets, out_dir, *extra):
 def finished_run(tiny_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished")
     result = train(tiny_config(tiny_assets, out))
-    return out, result["losses"]
+    return out, result.losses
 
 
 @pytest.fixture
@@ -250,7 +250,7 @@ SIGNAL_STEPS = 30
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_assets, tmp_path_factory):
     return train(tiny_config(tiny_assets, tmp_path_factory.mktemp("full"), max_steps=SIGNAL_STEPS,
-                             checkpoint_every=0))["losses"]
+                             checkpoint_every=0)).losses
 
 
 @pytest.mark.parametrize("signals, code", [((signal.SIGTERM,), 143), ((signal.SIGINT, signal.SIGTERM), 130)],
@@ -272,8 +272,8 @@ def test_a_stop_signal_saves_at_the_next_step_and_resumes_bit_identically(tiny_a
     assert f"checkpoint saved to {out / 'checkpoints' / latest}; continue with --resume" in err
     assert 2 <= saved < steps
     resumed = train(tiny_config(tiny_assets, out, max_steps=steps, checkpoint_every=2, resume=True))
-    assert resumed["start_step"] == saved
-    assert resumed["losses"] == full[saved:]  # bit-identical
+    assert resumed.start_step == saved
+    assert resumed.losses == full[saved:]  # bit-identical
 
 
 def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tmp_path, quiet_cli, capsys, monkeypatch):

@@ -75,7 +75,7 @@ def test_a_built_shape_is_cached_seeded_and_trains_through_the_target_path(tiny_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the private seed, not the global RNG
     assert all(t.dtype == torch.bfloat16 for t in a.values())
     result = train(_config(tmp_path / "run", target=str(built.dir), data=str(tiny_assets.train_jsonl)))
-    assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
+    assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
 
 
 def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_path, monkeypatch, caplog):
@@ -84,7 +84,7 @@ def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_pat
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
         result = train(_config(tmp_path / "run", target_shape="tiny"))
-    assert result["target_report"]["shape"] == "tiny" and len(result["losses"]) == 2
+    assert result.target_report["shape"] == "tiny" and len(result.losses) == 2
     assert RANDOM_WEIGHTS_WARNING in caplog.text
     assert (tmp_path / "cache" / f"dflash-shape-tiny-on-{tiny_assets.root.name}").is_dir()
     assert set(SHAPES) >= {"tiny", *PUBLISHED}

@@ -23,6 +23,7 @@ from threadgraph import WorkerError, check_settings
 from .config import CHOICES, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .metrics import format_phases
+from .run_result import RunResult
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), (json.dumps(results, default=str) + "\n").encode())
+        os.write(sys.stdout.fileno(), (json.dumps(results.to_json(), default=str) + "\n").encode())
         return 0
     _print_summary(results)
     return 0
@@ -156,34 +157,33 @@ def _bad_input(err: BaseException) -> BadInput | None:
     return None
 
 
-def _print_summary(r: dict) -> None:
-    print(f"\nDFlash drafter training: {r['mode']}, {r['placement']}")
-    report = r.get("target_report") or {}
+def _print_summary(r: RunResult) -> None:
+    print(f"\nDFlash drafter training: {r.mode}, {r.placement}")
+    report = r.target_report or {}
     if report.get("random_weights"):
         print(f"target: random-init Qwen3 shape {report['shape']} ({report['num_parameters'] / 1e9:.2f}B parameters)")
     elif report:
         print(f"target: held-out loss {report.get('heldout_loss_before', float('nan')):.3f} -> "
               f"{report.get('heldout_loss_after', float('nan')):.3f} after its own training")
-    last = r.get("last", {})
+    last = r.last or {}
     if last:
-        steady = r.get("tokens_per_s_steady", last["tokens_per_s"])
+        steady = r.tokens_per_s_steady if r.tokens_per_s_steady is not None else last["tokens_per_s"]
         print(f"steps {last['step']}: loss {last['loss']:.4f}, acc {last['acc']:.3f}, "
               f"acc@k=1 {last['acc_k1']:.3f}, drafter tokens/s {steady:.0f} (after warmup, eval excluded)")
-    base, final = r.get("baseline", {}), r.get("eval", {})
+    base, final = r.baseline or {}, r.eval or {}
     if final:
         meaningless = "  MEANINGLESS: the target has random weights" if report.get("random_weights") else ""
         print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f}){meaningless}")
-    print(f"startup {r['startup_s']:.1f} s to the last worker's first steady step (build {r['build_s']:.1f} s)")
-    for name, w in r["workers"].items():
-        p50 = f"{w['p50_ms']:.2f} ms" if w["p50_ms"] is not None else "-"
-        phases = format_phases(w.get("phases_p50_ms", {}))
-        print(f"  {name:<10} {w['device']:<7} step p50 {p50:>10}  setup {w['setup_s']:.1f} s, first step at "
-              f"{w['first_step_at_s']:.1f} s, warmup {w['warmup_s']:.1f} s (compile "
-              f"{w['compile_s']:.1f} s, capture {w['capture_s']:.1f} s, waiting for a peer's compile "
-              f"{w['peer_compile_wait_s']:.1f} s)  captures {w['captures']}" + (f"  host ms: {phases}" if phases else ""))
-    print(f"metrics: {r['out_dir']}/metrics.jsonl  checkpoint: {r.get('checkpoint')}")
-
+    print(f"startup {r.startup_s:.1f} s to the last worker's first steady step (build {r.build_s:.1f} s)")
+    for name, w in r.workers.items():
+        p50 = f"{w.p50_ms:.2f} ms" if w.p50_ms is not None else "-"
+        phases = format_phases(w.phases_p50_ms)
+        print(f"  {name:<10} {w.device:<7} step p50 {p50:>10}  setup {w.setup_s:.1f} s, first step at "
+              f"{w.first_step_at_s:.1f} s, warmup {w.warmup_s:.1f} s (compile "
+              f"{w.compile_s:.1f} s, capture {w.capture_s:.1f} s, waiting for a peer's compile "
+              f"{w.peer_compile_wait_s:.1f} s)  captures {w.captures}" + (f"  host ms: {phases}" if phases else ""))
+    print(f"metrics: {r.out_dir}/metrics.jsonl  checkpoint: {r.checkpoint}")
 
 if __name__ == "__main__":
     sys.exit(main())

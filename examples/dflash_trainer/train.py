@@ -21,6 +21,7 @@ from .metrics import MetricsLogger
 from .pipeline import Pipeline
 from .placement import place
 from .routing import GradientAverager, Handoff
+from .run_result import RunResult, WorkerResult
 from .startup import StartupMonitor
 from .workers import DrafterWorker, TargetWorker
 
@@ -81,7 +82,7 @@ class StopSignals:
         self.requested.set()
 
 
-def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> dict:
+def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> RunResult:
     with StopSignals() as signals:  # from the start: a stop during setup ends the run at once
         lock = outdir.prepare(config, leader=distributed.rank_env() == 0)
         try:
@@ -91,7 +92,7 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
                 lock.release()
 
 
-def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> dict:
+def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], signals: StopSignals) -> RunResult:
     began = time.perf_counter()
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
@@ -154,25 +155,25 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], sign
     if lead.stopped_at is not None:
         saved = lead.checkpointer.saved if lead.checkpointer is not None else None
         raise Interrupted(saved, signals.signum or signal.SIGTERM, lead.stopped_at)
-    return {
-        "rank": parts.rank, "world": parts.world, "total_steps": parts.schedule.total_steps,
-        "start_step": parts.start_step, **lead.results(),
-        "placement": placement.describe(),
-        "mode": parts.policy.mode,
-        "gil_switch_interval_ms": (config.switch_interval_s or sys.getswitchinterval()) * 1000,
-        "target_report": parts.target_report,
+    return RunResult(
+        rank=parts.rank, world=parts.world, total_steps=parts.schedule.total_steps, start_step=parts.start_step,
+        **lead.results(),
+        placement=placement.describe(),
+        mode=parts.policy.mode,
+        gil_switch_interval_ms=(config.switch_interval_s or sys.getswitchinterval()) * 1000,
+        target_report=parts.target_report,
         # From train() to the last worker's end of warmup: build (load, assets) + the slowest warmup.
-        "startup_s": round(built_s + max(w.stats.warmup_seconds for w in group.workers), 2),
-        "build_s": round(built_s, 2),
-        "workers": {w.name: {"device": str(w.device), "p50_ms": w.stats.p50_ms, "p90_ms": w.stats.p90_ms,
-                             "setup_s": round(w.stats.setup_seconds, 2), "first_step_at_s": round(w.stats.steps_began_at, 2),
-                             "warmup_s": round(w.stats.warmup_seconds, 2), "compile_s": round(w.stats.compile_seconds, 2),
-                             "capture_s": round(w.stats.capture_seconds, 2),
-                             "peer_compile_wait_s": round(w.stats.turn_wait_seconds, 2), "captures": w.stats.captures,
-                             "steps": w.stats.steps, "phases_p50_ms": w.phases.medians(skip=w.warmup_steps)}
-                    for w in group.workers},
-        "out_dir": str(Path(config.out_dir)),
-    }
+        startup_s=round(built_s + max(w.stats.warmup_seconds for w in group.workers), 2),
+        build_s=round(built_s, 2),
+        workers={w.name: WorkerResult(
+            device=str(w.device), p50_ms=w.stats.p50_ms, p90_ms=w.stats.p90_ms,
+            setup_s=round(w.stats.setup_seconds, 2), first_step_at_s=round(w.stats.steps_began_at, 2),
+            warmup_s=round(w.stats.warmup_seconds, 2), compile_s=round(w.stats.compile_seconds, 2),
+            capture_s=round(w.stats.capture_seconds, 2), peer_compile_wait_s=round(w.stats.turn_wait_seconds, 2),
+            captures=w.stats.captures, steps=w.stats.steps, phases_p50_ms=w.phases.medians(skip=w.warmup_steps))
+            for w in group.workers},
+        out_dir=str(Path(config.out_dir)),
+    )
 
 
 @contextlib.contextmanager
