@@ -181,9 +181,10 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 def test_ctrl_c_before_any_checkpoint_says_none_was_saved(tmp_path, monkeypatch, capsys):
     from examples.dflash_trainer import __main__ as cli
     from examples.dflash_trainer import train as train_module
+    from examples.dflash_trainer.run_control import Interrupted
 
     def interrupted(config, progress=None):
-        raise train_module.Interrupted(None)  # what train() raises when no step completed
+        raise Interrupted(None)  # what train() raises when no step completed
 
     monkeypatch.setattr(train_module, "train", interrupted)
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from .checkpoint import RunFinished
+    from .run_control import Interrupted
     from .startup import describe as describe_startup
     from .train import train
 
@@ -92,22 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         results = train(config, progress=progress)
     except KeyboardInterrupt as interrupt:
         bar.close()
-        saved = getattr(interrupt, "checkpoint", None)  # train.Interrupted, once the workers ran
-        signum = getattr(interrupt, "signum", signal.SIGINT)
-        name = signal.Signals(signum).name
-        step = getattr(interrupt, "step", None)
-        if saved is not None:
-            message = f"stopped by {name}: checkpoint saved to {saved}; continue with --resume"
-        elif step is not None:  # another process (rank 0) saved it
-            message = f"stopped by {name} after step {step}; rank 0 saves the checkpoint, not this process"
+        # One that train() did not raise itself (it came before its signal handlers): nothing was saved.
+        stop = interrupt if isinstance(interrupt, Interrupted) else Interrupted(None)
+        name = signal.Signals(stop.signum).name
+        if stop.checkpoint is not None:
+            message = f"stopped by {name}: checkpoint saved to {stop.checkpoint}; continue with --resume"
+        elif stop.step is not None:  # another process (rank 0) saved it
+            message = f"stopped by {name} after step {stop.step}; rank 0 saves the checkpoint, not this process"
         else:
             message = f"stopped by {name}: no checkpoint saved (no step completed yet)"
         print(message, file=sys.stderr)
-        if getattr(interrupt, "forced", False):  # the user asked twice: not even the exit waits for the workers
+        if stop.forced:  # the user asked twice: not even the exit waits for the workers
             logging.shutdown()
             sys.stderr.flush()
-            os._exit(128 + signum)
-        return 128 + signum
+            os._exit(128 + stop.signum)
+        return 128 + stop.signum
     except RunFinished as done:
         bar.close()
         print(f"dflash: {done}", file=sys.stderr)
