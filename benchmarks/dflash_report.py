@@ -159,7 +159,7 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
 
 
 def _random_shapes():
-    from examples.dflash_trainer.shapes import SHAPES
+    from examples.dflash_trainer.assets.shapes import SHAPES
 
     return SHAPES
 

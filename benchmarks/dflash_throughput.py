@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
-from examples.dflash_trainer.shapes import SHAPES  # noqa: E402
+from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
 
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
 
@@ -84,12 +84,12 @@ def run_threaded(cfg) -> dict:
         "windows_tokens_per_s": windows,
         "steady_windows": len(steady),
         "startup_s": first_window_end[0] - t0,
-        "placement": results.get("placement"),
-        "mode": results.get("mode"),
-        "gil_switch_interval_ms": results.get("gil_switch_interval_ms"),
-        "loss_last": results["last"].get("loss"),
-        "workers": results.get("workers", {}),
-        "build_s": results.get("build_s"),
+        "placement": results.placement,
+        "mode": results.mode,
+        "gil_switch_interval_ms": results.gil_switch_interval_ms,
+        "loss_last": results.last.get("loss"),
+        "workers": results.to_json()["workers"],
+        "build_s": results.build_s,
         "compile_phases_s": common.compile_phases(),
         "peak_memory_gib": common.peak_memory_gib(cfg.device_list),
     }
@@ -222,12 +222,12 @@ def make_config(args, out_dir: str):
                  "gil_switch_interval_ms", "cuda_graphs"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    from examples.dflash_trainer.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 
     # Built (or found in the cache) once here, outside the timed cells.
     assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
     if args.target_shape is not None:
-        from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, shape_target
+        from examples.dflash_trainer.assets.shapes import RANDOM_WEIGHTS_WARNING, shape_target
 
         print(f"[target shape {args.target_shape}: building it if it is not cached] WARNING: {RANDOM_WEIGHTS_WARNING}",
               file=sys.stderr, flush=True)
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
 def memory_estimate_gib(cfg) -> dict:
     """The trainer's own estimate of what the threaded run needs on each device, GiB by part
     (``sizes.per_device``, the figure it refuses a run on): set beside the cells' measured peaks."""
-    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.assets import sizes
     from examples.dflash_trainer.pipeline import resolve_inputs
     from examples.dflash_trainer.policy import ExecutionPolicy
     from examples.dflash_trainer.target import TargetSource
@@ -385,8 +385,8 @@ def memory_estimate_gib(cfg) -> dict:
 
 def _target_params(args) -> int:
     """The target's parameter count, from its build report (both builds are cached by now)."""
-    from examples.dflash_trainer.assets import BuildSpec, default_assets
-    from examples.dflash_trainer.shapes import shape_target
+    from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.assets.shapes import shape_target
 
     assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
     if args.target_shape is not None:

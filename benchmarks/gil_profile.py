@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     print(text)
     common.write_json(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
                                              "recorded_seconds": seconds, **summary,
-                                             "tokens_per_s_steady": results.get("tokens_per_s_steady"),
-                                             "workers": results.get("workers")})
+                                             "tokens_per_s_steady": results.tokens_per_s_steady,
+                                             "workers": results.to_json()["workers"]})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0

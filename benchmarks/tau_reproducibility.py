@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 
-from examples.dflash_trainer.assets import default_assets  # noqa: E402
+from examples.dflash_trainer.assets.assets import default_assets  # noqa: E402
 
 _RUN = "tau-run.json"
 _VARYING = ("timings",)  # report keys that differ by build duration, not by content

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _dflash_skip_reason():
     try:
-        for name in ("examples.dflash_trainer.train", "examples.dflash_trainer.assets", "transformers", "tokenizers"):
+        for name in ("examples.dflash_trainer.train", "examples.dflash_trainer.assets.assets", "transformers", "tokenizers"):
             importlib.import_module(name)
     except Exception as exc:  # the trainer may be mid-rewrite; the replay benchmark still runs
         return f"dflash_throughput.py cannot import its trainer modules: {type(exc).__name__}: {exc}"
@@ -319,7 +319,7 @@ def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsy
         pytest.skip(_dflash_skip_reason())
     sys.path.insert(0, str(ROOT / "benchmarks"))
     module = importlib.import_module("dflash_throughput")
-    from examples.dflash_trainer import shapes
+    from examples.dflash_trainer.assets import shapes
 
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))  # nothing built there yet
     monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from examples.dflash_trainer import assets as A
-from examples.dflash_trainer import assets_build as B
+from examples.dflash_trainer.assets import assets as A
+from examples.dflash_trainer.assets import assets_build as B
 
 SPEC = A.BuildSpec.tiny()
 
@@ -41,7 +41,7 @@ def test_tokenizer_and_target_reload_offline(built):
     report = a.load_report()
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert len(tok) == report["tokenizer_vocab"]
-    assert tok.eos_token == A.EOS_TOKEN and tok.pad_token == A.PAD_TOKEN
+    assert tok.eos_token == B.EOS_TOKEN and tok.pad_token == B.PAD_TOKEN
     assert model.config.eos_token_id == tok.eos_token_id
     # The mask token is an existing embedding row that no token uses.
     assert model.config.vocab_size % 64 == 0
@@ -89,7 +89,7 @@ def test_second_call_is_cache_hit(built, monkeypatch):
 @pytest.mark.timeout(120)
 def test_killed_build_leaves_no_partial_cache(tmp_path, monkeypatch):
     def killed(model, tokenizer, train_files, heldout_files, spec, out):
-        (out / A._TRAIN).write_text('{"input_ids": [1, 2')  # half a file, then "killed"
+        (out / B.TRAIN_FILE).write_text('{"input_ids": [1, 2')  # half a file, then "killed"
         raise _Killed("simulated kill while generating data")
 
     monkeypatch.setattr(B, "_generate_data", killed)
@@ -119,13 +119,13 @@ def _fake_build(calls, gate=None):
         calls.append(out)
         if gate is not None:
             assert gate.wait(timeout=10), "second caller never arrived"
-        target = out / A._TARGET
+        target = out / B.TARGET_DIR
         target.mkdir()
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             (target / name).write_text("{}")
-        for name in (A._TRAIN, A._EVAL):
+        for name in (B.TRAIN_FILE, B.EVAL_FILE):
             (out / name).write_text("")
-        (out / A._REPORT).write_text(json.dumps({"spec": dataclasses.asdict(spec)}))
+        (out / B.REPORT_FILE).write_text(json.dumps({"spec": dataclasses.asdict(spec)}))
     return build
 
 

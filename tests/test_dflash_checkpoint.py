@@ -183,6 +183,6 @@ def test_a_save_that_runs_out_of_disk_says_so_leaves_no_temp_dir_and_keeps_earli
 
 
 def test_sizes_are_said_in_a_unit_that_does_not_round_them_to_zero():
-    from examples.dflash_trainer.sizes import human_bytes
+    from examples.dflash_trainer.assets.capacity import human_bytes
 
     assert [human_bytes(n) for n in (512, 3 << 10, 5 << 20, 3 << 30)] == ["512 bytes", "3.0 KiB", "5.0 MiB", "3.0 GiB"]

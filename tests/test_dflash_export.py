@@ -1,4 +1,4 @@
-"""CPU tests of the DFlash export (examples/dflash_trainer/export.py): the round trip through the
+"""CPU tests of the DFlash export (examples/dflash_trainer/export/): the round trip through the
 z-lab format continues training with the same losses, the configs record the run's facts, and
 every refusal says what is wrong and what to do. The comparison against the reference
 implementation is tests/test_dflash_export_reference.py (own venv)."""
@@ -16,10 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from export_fixtures import load_heads, make_checkpoint, make_random_target
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import WEIGHTS
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.export import ExportError, export, load_zlab_drafter, main
+from examples.dflash_trainer.export.export import export, main
+from examples.dflash_trainer.export.source import ExportError
+from examples.dflash_trainer.export.zlab import load_zlab_drafter
 from examples.dflash_trainer.train import train
 
 
@@ -46,7 +48,7 @@ def tiny_config(assets, out_dir, **overrides):
 
 
 def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_assets, tmp_path):
-    full = train(tiny_config(tiny_assets, tmp_path / "full"))["losses"]
+    full = train(tiny_config(tiny_assets, tmp_path / "full")).losses
     split = tmp_path / "split"
     train(tiny_config(tiny_assets, split, checkpoint_every=4))
     (split / "checkpoints" / "latest").write_text("step_00000004\n")  # as if killed after step 4
@@ -68,9 +70,9 @@ def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_asset
     manifest["files"][WEIGHTS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     resumed = train(tiny_config(tiny_assets, split, checkpoint_every=4, resume=True))
-    assert resumed["start_step"] == 4
-    print(f"\nround trip: uninterrupted steps 5-10 {full[4:]}\n            exported+reloaded   {resumed['losses']}")
-    assert resumed["losses"] == full[4:]
+    assert resumed.start_step == 4
+    print(f"\nround trip: uninterrupted steps 5-10 {full[4:]}\n            exported+reloaded   {resumed.losses}")
+    assert resumed.losses == full[4:]
 
 
 def test_the_zlab_config_records_the_target_layers_block_size_and_mask_token(random_run, tmp_path):
@@ -262,7 +264,7 @@ def test_an_out_that_is_a_file_gets_one_line(random_run, tmp_path, capsys):
 def test_a_target_shape_run_exports_against_its_shape_without_target(random_run, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from examples.dflash_trainer import assets, shapes
+    from examples.dflash_trainer.assets import assets, shapes
     from examples.dflash_trainer.checkpoint import read_state, save_checkpoint
 
     run, target, drafter = random_run

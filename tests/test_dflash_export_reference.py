@@ -18,7 +18,7 @@ pytest.importorskip("speculators", reason="needs speculators 0.9.0: run bash tes
 
 from export_fixtures import make_checkpoint, make_random_target  # noqa: E402
 
-from examples.dflash_trainer.export import export  # noqa: E402
+from examples.dflash_trainer.export.export import export  # noqa: E402
 from examples.dflash_trainer.loss import block_positions, build_blocks, dflash_attention_mask  # noqa: E402
 from examples.dflash_trainer.target import TargetModel  # noqa: E402
 
@@ -34,7 +34,7 @@ def case(request, tmp_path):
         ckpt, drafter = make_checkpoint(tmp_path / "run" / "checkpoints", target_dir, saved_target=str(target_dir),
                                         num_layers=2, n=3, block_size=8)
     else:
-        from examples.dflash_trainer.assets import default_assets
+        from examples.dflash_trainer.assets.assets import default_assets
 
         target_dir = Path(default_assets().target_dir)
         # saved_target=None: what a run on the embedded default records; export finds it itself.

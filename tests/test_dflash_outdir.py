@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.outdir import OutDirError, RunLock
@@ -69,14 +69,14 @@ def test_a_directory_another_run_holds_is_refused_until_it_ends(tiny_assets, tmp
         assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     finally:
         other.release()
-    assert train(config(tiny_assets, out))["total_steps"] == 2
+    assert train(config(tiny_assets, out)).total_steps == 2
 
 
 def test_a_run_that_failed_before_its_first_step_blocks_nothing(tiny_assets, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text("")  # what a run that failed in setup leaves
-    assert train(config(tiny_assets, out))["total_steps"] == 2
+    assert train(config(tiny_assets, out)).total_steps == 2
 
 
 def test_a_log_without_a_checkpoint_says_overwrite_not_resume(tiny_assets, tmp_path):
@@ -109,7 +109,7 @@ def test_a_resume_onto_other_data_of_the_same_size_is_refused(tiny_assets, tmp_p
     data.write_text("\n".join(lines) + "\n")
     target = tiny_assets.target_dir
     spelled = f"{target}/../{target.name}/"
-    assert train(config(tiny_assets, out, data=str(data), target=spelled, max_steps=4, resume=True))["start_step"] == 2
+    assert train(config(tiny_assets, out, data=str(data), target=spelled, max_steps=4, resume=True)).start_step == 2
 
 
 def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(tiny_assets, tmp_path, monkeypatch,
@@ -145,7 +145,7 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
 def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_assets, tmp_path, monkeypatch, caplog):
     from collections import namedtuple
 
-    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.assets import sizes
     from examples.dflash_trainer.target import TargetModel
 
     cfg = config(tiny_assets, tmp_path / "run", max_steps=4, checkpoint_every=1)

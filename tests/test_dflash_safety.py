@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import CheckpointError, ResumeMismatch, RunFinished
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
@@ -50,7 +50,7 @@ def cli_args(assets, out_dir, *extra):
 def finished_run(tiny_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished")
     result = train(tiny_config(tiny_assets, out))
-    return out, result["losses"]
+    return out, result.losses
 
 
 @pytest.fixture
@@ -212,7 +212,7 @@ def test_more_anchors_than_positions_is_refused_up_front():
 
 
 def test_a_batch_that_cannot_fit_is_refused_before_any_worker_starts(tiny_assets, tmp_path, monkeypatch):
-    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.assets import sizes
 
     monkeypatch.setattr(sizes, "free_bytes", lambda device: 8 * sizes.GiB)  # what this CI machine has, say
     with pytest.raises(sizes.TooLarge, match=r"needs about \d+\.\d GiB on cpu .* 8\.0 GiB is free; lower --batch-size "
@@ -226,7 +226,7 @@ def test_the_memory_estimate_grows_with_the_batch_like_the_measured_peak():
     (1.03 GiB at batch 16, 2.34 GiB at 64); the estimate must not grow more slowly."""
     from types import SimpleNamespace
 
-    from examples.dflash_trainer import sizes
+    from examples.dflash_trainer.assets import sizes
 
     model = SimpleNamespace(hidden_size=128, vocab_size=2048, num_hidden_layers=6, intermediate_size=384,
                             num_attention_heads=4)
@@ -250,7 +250,7 @@ SIGNAL_STEPS = 30
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_assets, tmp_path_factory):
     return train(tiny_config(tiny_assets, tmp_path_factory.mktemp("full"), max_steps=SIGNAL_STEPS,
-                             checkpoint_every=0))["losses"]
+                             checkpoint_every=0)).losses
 
 
 @pytest.mark.parametrize("signals, code", [((signal.SIGTERM,), 143), ((signal.SIGINT, signal.SIGTERM), 130)],
@@ -272,8 +272,8 @@ def test_a_stop_signal_saves_at_the_next_step_and_resumes_bit_identically(tiny_a
     assert f"checkpoint saved to {out / 'checkpoints' / latest}; continue with --resume" in err
     assert 2 <= saved < steps
     resumed = train(tiny_config(tiny_assets, out, max_steps=steps, checkpoint_every=2, resume=True))
-    assert resumed["start_step"] == saved
-    assert resumed["losses"] == full[saved:]  # bit-identical
+    assert resumed.start_step == saved
+    assert resumed.losses == full[saved:]  # bit-identical
 
 
 def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tmp_path, quiet_cli, capsys, monkeypatch):

@@ -6,14 +6,13 @@ import logging
 import pytest
 import torch
 
-from examples.dflash_trainer import assets as assets_module
+from examples.dflash_trainer.assets import assets as assets_module
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer import shapes as shapes_module
-from examples.dflash_trainer import sizes
-from examples.dflash_trainer.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
+from examples.dflash_trainer.assets import shapes as shapes_module
+from examples.dflash_trainer.assets.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
 from examples.dflash_trainer.train import train
 
 VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
@@ -76,7 +75,7 @@ def test_a_built_shape_is_cached_seeded_and_trains_through_the_target_path(tiny_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the private seed, not the global RNG
     assert all(t.dtype == torch.bfloat16 for t in a.values())
     result = train(_config(tmp_path / "run", target=str(built.dir), data=str(tiny_assets.train_jsonl)))
-    assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
+    assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
 
 
 def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_path, monkeypatch, caplog):
@@ -85,7 +84,7 @@ def test_target_shape_trains_on_the_embedded_data_and_warns(tiny_assets, tmp_pat
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
         result = train(_config(tmp_path / "run", target_shape="tiny"))
-    assert result["target_report"]["shape"] == "tiny" and len(result["losses"]) == 2
+    assert result.target_report["shape"] == "tiny" and len(result.losses) == 2
     assert RANDOM_WEIGHTS_WARNING in caplog.text
     assert (tmp_path / "cache" / f"dflash-shape-tiny-on-{tiny_assets.root.name}").is_dir()
     assert set(SHAPES) >= {"tiny", *PUBLISHED}
@@ -110,7 +109,7 @@ def test_a_shape_too_large_for_the_cache_disk_is_refused_before_drawing(tiny_ass
 
 
 def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sizes, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
+    monkeypatch.setattr(shapes_module, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
     with pytest.raises(NoRoomToBuild, match=r"target shape tiny: drawing its 0\.0 GiB of weights needs that much free "
                                             r"memory on cpu \(0\.0 GiB free\)"):

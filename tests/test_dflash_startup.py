@@ -42,16 +42,16 @@ def test_five_targets_and_three_drafters_compile_each_step_once(tiny_assets, tmp
     drafter_loss = _inner_code(step.make_step_fn, "drafter_loss")
     once = _compiled_run(tiny_assets, tmp_path / "once")
     assert (_compiles(target_step), _compiles(drafter_loss)) == (1, 1)
-    compile_s = {name: w["compile_s"] for name, w in once["workers"].items()}
+    compile_s = {name: w.compile_s for name, w in once.workers.items()}
     assert sum(1 for name, s in compile_s.items() if name.startswith("target") and s > 0) == 1, compile_s
     # Left out, every worker compiles its own (hazard concurrent-first-compile); the losses are the same.
     monkeypatch.setenv("THREADGRAPH_EXCLUDE_PATCHES", "first_call_in_turn")
     threadgraph.uninstall(["first_call_in_turn"])
     apart = _compiled_run(tiny_assets, tmp_path / "apart")
     assert _compiles(target_step) > 1 and _compiles(drafter_loss) > 1
-    assert once["losses"] == pytest.approx(apart["losses"], rel=1e-5)
-    assert once["startup_s"] > 0 and once["build_s"] > 0
-    assert all(0 <= w["setup_s"] <= w["first_step_at_s"] <= w["warmup_s"] for w in once["workers"].values()), once["workers"]
+    assert once.losses == pytest.approx(apart.losses, rel=1e-5)
+    assert once.startup_s > 0 and once.build_s > 0
+    assert all(0 <= w.setup_s <= w.first_step_at_s <= w.warmup_s for w in once.workers.values()), once.workers
 
 
 class FakeWorker:

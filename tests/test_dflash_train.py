@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
@@ -36,36 +36,36 @@ def tiny_config(assets, out_dir, **overrides):
 
 def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_path):
     result = train(tiny_config(tiny_assets, tmp_path, max_steps=20, eval_every=20, eval_prompts=2, eval_max_new_tokens=8))
-    losses = result["losses"]
+    losses = result.losses
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
-    names = sorted(result["workers"])
+    names = sorted(result.workers)
     assert names == [f"drafter-{i}" for i in range(3)] + [f"target-{i}" for i in range(5)]
-    assert all(w["steps"] >= 1 for w in result["workers"].values())
+    assert all(w.steps >= 1 for w in result.workers.values())
     # where each thread's step goes, for attributing a slow pipeline
-    assert {"wait_batch", "forward_backward", "average", "optimizer", "leader"} == set(result["workers"]["drafter-0"]["phases_p50_ms"])
-    assert {"prepare", "forward", "hand_off"} == set(result["workers"]["target-4"]["phases_p50_ms"])
-    drafter = result["workers"]["drafter-1"]
-    assert 0 < sum(drafter["phases_p50_ms"].values()) < 3 * drafter["p90_ms"]
-    assert result["eval"]["tau"] >= 1.0 and "tau_random_init" in result["baseline"]
+    assert {"wait_batch", "forward_backward", "average", "optimizer", "leader"} == set(result.workers["drafter-0"].phases_p50_ms)
+    assert {"prepare", "forward", "hand_off"} == set(result.workers["target-4"].phases_p50_ms)
+    drafter = result.workers["drafter-1"]
+    assert 0 < sum(drafter.phases_p50_ms.values()) < 3 * drafter.p90_ms
+    assert result.eval["tau"] >= 1.0 and "tau_random_init" in result.baseline
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert any("loss" in json.loads(line) for line in lines)
 
 
 def test_runs_are_deterministic_whatever_the_thread_timing(tiny_assets, tmp_path):
-    a = train(tiny_config(tiny_assets, tmp_path / "a", max_steps=6))["losses"]
-    b = train(tiny_config(tiny_assets, tmp_path / "b", max_steps=6))["losses"]
+    a = train(tiny_config(tiny_assets, tmp_path / "a", max_steps=6)).losses
+    b = train(tiny_config(tiny_assets, tmp_path / "b", max_steps=6)).losses
     assert a == b
 
 
 def test_resume_continues_with_the_same_losses(tiny_assets, tmp_path):
-    full = train(tiny_config(tiny_assets, tmp_path / "full", max_steps=12))["losses"]
+    full = train(tiny_config(tiny_assets, tmp_path / "full", max_steps=12)).losses
     train(tiny_config(tiny_assets, tmp_path / "split", max_steps=12, checkpoint_every=5))
     # as if the run had been killed after its checkpoint at step 5
     (tmp_path / "split" / "checkpoints" / "latest").write_text("step_00000005\n")
     resumed = train(tiny_config(tiny_assets, tmp_path / "split", max_steps=12, checkpoint_every=5, resume=True))
-    assert resumed["start_step"] == 5
-    assert resumed["losses"] == pytest.approx(full[5:], rel=1e-5, abs=1e-6)
+    assert resumed.start_step == 5
+    assert resumed.losses == pytest.approx(full[5:], rel=1e-5, abs=1e-6)
 
 
 def test_resume_with_different_settings_is_refused(tiny_assets, tmp_path):
@@ -181,9 +181,10 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 def test_ctrl_c_before_any_checkpoint_says_none_was_saved(tmp_path, monkeypatch, capsys):
     from examples.dflash_trainer import __main__ as cli
     from examples.dflash_trainer import train as train_module
+    from examples.dflash_trainer.run_control import Interrupted
 
     def interrupted(config, progress=None):
-        raise train_module.Interrupted(None)  # what train() raises when no step completed
+        raise Interrupted(None)  # what train() raises when no step completed
 
     monkeypatch.setattr(train_module, "train", interrupted)
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
@@ -256,10 +257,10 @@ def test_compiled_gated_pipeline_finishes_like_the_eager_one(tiny_assets, tmp_pa
     torch._dynamo.reset()
     threadgraph.install()
     try:
-        gated = train(tiny_config(tiny_assets, tmp_path / "gated", max_steps=8))["losses"]
+        gated = train(tiny_config(tiny_assets, tmp_path / "gated", max_steps=8)).losses
     finally:
         torch._dynamo.reset()
-    eager = train(tiny_config(tiny_assets, tmp_path / "eager", max_steps=8))["losses"]
+    eager = train(tiny_config(tiny_assets, tmp_path / "eager", max_steps=8)).losses
     assert torch.allclose(torch.tensor(gated), torch.tensor(eager), rtol=1e-4, atol=1e-5), (gated, eager)
     assert gate_for("cpu").holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0}
 
@@ -268,7 +269,7 @@ def test_replicas_start_identical_while_another_thread_rewinds_the_global_rng(ti
     """Hazard 12: every Dynamo compile restores the global RNG state it saw at its start. Seen
     on an H200 as one model in eight starting from different weights. The drafter's initial
     weights must not depend on the global generator while workers run."""
-    calm = train(tiny_config(tiny_assets, tmp_path / "calm", max_steps=3))["losses"]
+    calm = train(tiny_config(tiny_assets, tmp_path / "calm", max_steps=3)).losses
     saved, stop = torch.random.get_rng_state(), threading.Event()
 
     def rewind():  # what a compile in another thread does to torch's global generator
@@ -279,7 +280,7 @@ def test_replicas_start_identical_while_another_thread_rewinds_the_global_rng(ti
     chaos = threading.Thread(target=rewind, daemon=True)
     chaos.start()
     try:
-        stormy = train(tiny_config(tiny_assets, tmp_path / "stormy", max_steps=3))["losses"]
+        stormy = train(tiny_config(tiny_assets, tmp_path / "stormy", max_steps=3)).losses
     finally:
         stop.set()
         chaos.join(10)
@@ -309,7 +310,7 @@ def test_a_gil_switch_interval_is_applied_for_the_run_and_restored(tiny_assets, 
     results = train(tiny_config(tiny_assets, tmp_path, max_steps=2, gil_switch_interval_ms=0.25),
                     progress=lambda record: seen.append(sys.getswitchinterval()))
     assert seen and all(abs(s - 0.00025) < 1e-9 for s in seen)
-    assert sys.getswitchinterval() == before and results["gil_switch_interval_ms"] == pytest.approx(0.25)
+    assert sys.getswitchinterval() == before and results.gil_switch_interval_ms == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("finished", [True, False])

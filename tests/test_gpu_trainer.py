@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets import BuildSpec, default_assets
+from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from tests.gpu_process import run_json
 

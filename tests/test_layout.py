@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"threadgraph": ROOT / "src" / "threadgraph"}
+PACKAGES = {"threadgraph": ROOT / "src" / "threadgraph", "examples.dflash_trainer": ROOT / "examples" / "dflash_trainer"}
 
 
 def modules(package: Path) -> dict[str, Path]:

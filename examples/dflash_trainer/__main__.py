@@ -23,6 +23,7 @@ from threadgraph import WorkerError, check_settings
 from .config import CHOICES, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .metrics import format_phases
+from .run_result import RunResult
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if config.target_shape is not None:
-        from .shapes import RANDOM_WEIGHTS_WARNING
+        from .assets.shapes import RANDOM_WEIGHTS_WARNING
 
         print(f"WARNING: {RANDOM_WEIGHTS_WARNING} (the first run with a shape builds and caches it)",
               file=sys.stderr, flush=True)
     from tqdm import tqdm
 
     from .checkpoint import RunFinished
+    from .run_control import Interrupted
     from .startup import describe as describe_startup
     from .train import train
 
@@ -91,22 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         results = train(config, progress=progress)
     except KeyboardInterrupt as interrupt:
         bar.close()
-        saved = getattr(interrupt, "checkpoint", None)  # train.Interrupted, once the workers ran
-        signum = getattr(interrupt, "signum", signal.SIGINT)
-        name = signal.Signals(signum).name
-        step = getattr(interrupt, "step", None)
-        if saved is not None:
-            message = f"stopped by {name}: checkpoint saved to {saved}; continue with --resume"
-        elif step is not None:  # another process (rank 0) saved it
-            message = f"stopped by {name} after step {step}; rank 0 saves the checkpoint, not this process"
+        # One that train() did not raise itself (it came before its signal handlers): nothing was saved.
+        stop = interrupt if isinstance(interrupt, Interrupted) else Interrupted(None)
+        name = signal.Signals(stop.signum).name
+        if stop.checkpoint is not None:
+            message = f"stopped by {name}: checkpoint saved to {stop.checkpoint}; continue with --resume"
+        elif stop.step is not None:  # another process (rank 0) saved it
+            message = f"stopped by {name} after step {stop.step}; rank 0 saves the checkpoint, not this process"
         else:
             message = f"stopped by {name}: no checkpoint saved (no step completed yet)"
         print(message, file=sys.stderr)
-        if getattr(interrupt, "forced", False):  # the user asked twice: not even the exit waits for the workers
+        if stop.forced:  # the user asked twice: not even the exit waits for the workers
             logging.shutdown()
             sys.stderr.flush()
-            os._exit(128 + signum)
-        return 128 + signum
+            os._exit(128 + stop.signum)
+        return 128 + stop.signum
     except RunFinished as done:
         bar.close()
         print(f"dflash: {done}", file=sys.stderr)
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), (json.dumps(results, default=str) + "\n").encode())
+        os.write(sys.stdout.fileno(), (json.dumps(results.to_json(), default=str) + "\n").encode())
         return 0
     _print_summary(results)
     return 0
@@ -156,34 +157,33 @@ def _bad_input(err: BaseException) -> BadInput | None:
     return None
 
 
-def _print_summary(r: dict) -> None:
-    print(f"\nDFlash drafter training: {r['mode']}, {r['placement']}")
-    report = r.get("target_report") or {}
+def _print_summary(r: RunResult) -> None:
+    print(f"\nDFlash drafter training: {r.mode}, {r.placement}")
+    report = r.target_report or {}
     if report.get("random_weights"):
         print(f"target: random-init Qwen3 shape {report['shape']} ({report['num_parameters'] / 1e9:.2f}B parameters)")
     elif report:
         print(f"target: held-out loss {report.get('heldout_loss_before', float('nan')):.3f} -> "
               f"{report.get('heldout_loss_after', float('nan')):.3f} after its own training")
-    last = r.get("last", {})
+    last = r.last or {}
     if last:
-        steady = r.get("tokens_per_s_steady", last["tokens_per_s"])
+        steady = r.tokens_per_s_steady if r.tokens_per_s_steady is not None else last["tokens_per_s"]
         print(f"steps {last['step']}: loss {last['loss']:.4f}, acc {last['acc']:.3f}, "
               f"acc@k=1 {last['acc_k1']:.3f}, drafter tokens/s {steady:.0f} (after warmup, eval excluded)")
-    base, final = r.get("baseline", {}), r.get("eval", {})
+    base, final = r.baseline or {}, r.eval or {}
     if final:
         meaningless = "  MEANINGLESS: the target has random weights" if report.get("random_weights") else ""
         print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f}){meaningless}")
-    print(f"startup {r['startup_s']:.1f} s to the last worker's first steady step (build {r['build_s']:.1f} s)")
-    for name, w in r["workers"].items():
-        p50 = f"{w['p50_ms']:.2f} ms" if w["p50_ms"] is not None else "-"
-        phases = format_phases(w.get("phases_p50_ms", {}))
-        print(f"  {name:<10} {w['device']:<7} step p50 {p50:>10}  setup {w['setup_s']:.1f} s, first step at "
-              f"{w['first_step_at_s']:.1f} s, warmup {w['warmup_s']:.1f} s (compile "
-              f"{w['compile_s']:.1f} s, capture {w['capture_s']:.1f} s, waiting for a peer's compile "
-              f"{w['peer_compile_wait_s']:.1f} s)  captures {w['captures']}" + (f"  host ms: {phases}" if phases else ""))
-    print(f"metrics: {r['out_dir']}/metrics.jsonl  checkpoint: {r.get('checkpoint')}")
-
+    print(f"startup {r.startup_s:.1f} s to the last worker's first steady step (build {r.build_s:.1f} s)")
+    for name, w in r.workers.items():
+        p50 = f"{w.p50_ms:.2f} ms" if w.p50_ms is not None else "-"
+        phases = format_phases(w.phases_p50_ms)
+        print(f"  {name:<10} {w.device:<7} step p50 {p50:>10}  setup {w.setup_s:.1f} s, first step at "
+              f"{w.first_step_at_s:.1f} s, warmup {w.warmup_s:.1f} s (compile "
+              f"{w.compile_s:.1f} s, capture {w.capture_s:.1f} s, waiting for a peer's compile "
+              f"{w.peer_compile_wait_s:.1f} s)  captures {w.captures}" + (f"  host ms: {phases}" if phases else ""))
+    print(f"metrics: {r.out_dir}/metrics.jsonl  checkpoint: {r.checkpoint}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .errors import BadInput
-from .sizes import human_bytes
+from .assets.capacity import human_bytes
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"

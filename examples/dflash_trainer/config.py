@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .shapes import SHAPES
+from .assets.shapes import SHAPES
 
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

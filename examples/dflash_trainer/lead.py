@@ -3,7 +3,7 @@ the training metrics (every process), evaluate tau and save a checkpoint (proces
 
 They run on replica 0's thread because they read its weights at a step boundary: the other
 replicas wait for it at the next gradient average, so nothing changes the weights meanwhile.
-A stop request (SIGINT/SIGTERM, see train.StopSignals) is honoured there too: the lead saves a
+A stop request (SIGINT/SIGTERM, see run_control.RunControl) is honoured there too: the lead saves a
 checkpoint of the step just completed and stops the workers.
 """
 
@@ -18,23 +18,20 @@ from .checkpoint import Checkpointer
 from .eval import Evaluator
 from .metrics import TrainingLog
 from .replica import DrafterReplica
+from .run_control import RunControl
 
 
 class Lead:
-    def __init__(self, log: TrainingLog, *, start_step: int, evaluator: Optional[Callable[[torch.device], Evaluator]],
-                 eval_every: int, checkpointer: Optional[Checkpointer], checkpoint_every: int) -> None:
-        self.log, self.start_step = log, start_step
+    def __init__(self, log: TrainingLog, *, control: RunControl, start_step: int,
+                 evaluator: Optional[Callable[[torch.device], Evaluator]], eval_every: int,
+                 checkpointer: Optional[Checkpointer], checkpoint_every: int) -> None:
+        self.log, self.control, self.start_step = log, control, start_step
         self._make_evaluator, self.eval_every = evaluator, eval_every
         self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
         self.evaluator: Optional[Evaluator] = None
         self.replica: Optional[DrafterReplica] = None
         self.baseline: Optional[dict] = None
         self.eval: Optional[dict] = None
-        self.stepping = False  # set by replica 0's first step: every setup has returned
-        # Set by train(): whether to stop after this step (every rank answers alike), and how.
-        self.should_stop: Callable[[], bool] = lambda: False
-        self.on_stop: Callable[[], None] = lambda: None
-        self.stopped_at: Optional[int] = None  # the step after which a stop request ended the run
 
     def setup(self, replica: DrafterReplica, device: torch.device) -> None:
         """In replica 0's setup: the evaluator's target, and tau before training (fresh runs)."""
@@ -44,11 +41,15 @@ class Lead:
             if self.start_step == 0:
                 self.baseline = self.evaluator.baselines(replica.drafter)
 
+    def before_step(self) -> None:
+        """In replica 0's step, before its work: every setup has returned."""
+        self.control.began_stepping()
+
     def after_step(self, replica: DrafterReplica) -> None:
         done = replica.step
         last = done == replica.total_steps
         evaluate = self.evaluator is not None and (done % self.eval_every == 0 or last)
-        stop = not last and self.should_stop()
+        stop = not last and self.control.should_stop()  # every rank answers alike
         save = self.checkpointer is not None and ((self.checkpoint_every and done % self.checkpoint_every == 0)
                                                   or last or stop)
         if self.log.due(done) or last or evaluate or save:
@@ -61,8 +62,7 @@ class Lead:
         if evaluate or save:  # tokens/s counts training, not evaluation or saving
             self.log.restart_window()
         if stop:
-            self.stopped_at = done
-            self.on_stop()
+            self.control.stop_after(done)
 
     def save_on_interrupt(self) -> Optional[Path]:
         """After Ctrl-C: checkpoint the steps replica 0 completed (its step boundary is consistent);

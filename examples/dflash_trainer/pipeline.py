@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import distributed, sizes
+from . import distributed
+from .assets import sizes
 from .checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
 from .data import ShardBatches, TokenData, read_jsonl
@@ -51,15 +52,15 @@ def data_digest(data: TokenData) -> str:
 def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Optional[dict]]:
     """(target_dir, train_jsonl, eval_jsonl or None, target report or None)."""
     if config.target_shape is not None:  # random weights of a real size on the embedded tokenizer and data
-        from .assets import default_assets
-        from .shapes import RANDOM_WEIGHTS_WARNING, shape_target
+        from .assets.assets import default_assets
+        from .assets.shapes import RANDOM_WEIGHTS_WARNING, shape_target
 
         assets = default_assets()
         built = shape_target(config.target_shape, assets)
         log.warning("dflash: %s", RANDOM_WEIGHTS_WARNING)
         return str(built.dir), config.data or str(assets.train_jsonl), str(assets.eval_jsonl), built.report
     if config.target is None:
-        from .assets import default_assets
+        from .assets.assets import default_assets
 
         assets = default_assets()
         return str(assets.target_dir), config.data or str(assets.train_jsonl), str(assets.eval_jsonl), _read_json(assets.report)

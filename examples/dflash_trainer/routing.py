@@ -9,7 +9,7 @@ timing: a run, and a resumed run, see the same batches in the same order.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ import threadgraph
 
 from .channel import Channel, ChannelClosed
 from .grads import FlatGrads
+from .run_control import RunControl
 
 
 class OrderedInbox:
@@ -83,31 +84,17 @@ class GradientAverager:
     first wait, which every replica reaches after enqueuing its copy of the current one.
     """
 
-    def __init__(self, replicas: int, *, stop_requested: Optional[Callable[[], bool]] = None,
-                 watchdog: Any = None) -> None:
+    def __init__(self, replicas: int, *, control: Optional[RunControl] = None, watchdog: Any = None) -> None:
         self.replicas = replicas
         self._barrier = threading.Barrier(replicas)
         self._buffers: list[Optional[torch.Tensor]] = [None] * replicas
         self._mean: Optional[torch.Tensor] = None
         # Across processes the all-reduce carries one more element: 1 from each process that was
         # asked to stop (SIGINT/SIGTERM) before this average. Its sum is the same on every rank, so
-        # all ranks stop after the same step (``stop_agreed``).
-        self._stop_requested = stop_requested or (lambda: False)
-        self._votes: Optional[torch.Tensor] = None  # on the host
-        self._votes_ready: Any = None  # a CUDA event after the votes' copy to the host
+        # all ranks stop after the same step (``RunControl.should_stop``).
+        self._control = control if control is not None else RunControl()
         self._watchdog = watchdog
         self._averages = 0
-
-    @property
-    def stop_agreed(self) -> bool:
-        """Across processes: some rank asked to stop before the last average (every rank reads
-        the same answer). Read by replica 0's thread after its average; on a GPU it waits for the
-        all-reduce's copy to the host only, not for the update queued after it."""
-        if self._votes is None:
-            return False
-        if self._votes_ready is not None:
-            self._votes_ready.synchronize()
-        return bool(self._votes[0] > 0)
 
     def abort(self, _error: BaseException | None = None) -> None:
         self._barrier.abort()
@@ -129,22 +116,14 @@ class GradientAverager:
             for other in self._buffers[1:]:
                 mean += other.to(mean.device, non_blocking=True)
             if world > 1:
-                wide[n:].fill_(1.0 if self._stop_requested() else 0.0)
+                wide[n:].fill_(self._control.vote())
                 self._averages += 1
                 if self._watchdog is not None:
                     self._watchdog.entering(self._averages)
                 dist.all_reduce(wide)
                 if self._watchdog is not None:
                     self._watchdog.left()
-                votes = wide[n:]
-                if votes.is_cuda:  # to pinned host memory without a stream sync (no .item() in the step)
-                    if self._votes is None:
-                        self._votes = torch.zeros(1, dtype=votes.dtype, pin_memory=True)
-                        self._votes_ready = torch.cuda.Event()
-                    self._votes.copy_(votes, non_blocking=True)
-                    self._votes_ready.record(torch.cuda.current_stream(votes.device))
-                else:
-                    self._votes = votes
+                self._control.agree(wide[n:])
             self._mean = mean.div_(self.replicas * world)
         self._wait()
         grads.buffer.copy_(self._mean, non_blocking=True)

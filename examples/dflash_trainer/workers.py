@@ -76,7 +76,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
             self.stop()
             return
         if self.lead is not None:
-            self.lead.stepping = True
+            self.lead.before_step()
         self.phases.begin()
         try:
             batch = self.handoff.get(self.index, self.device)

@@ -30,7 +30,8 @@ import torch
 
 from .assets import (DefaultAssets, default_cache_root, exclusive_lock, remove_leftovers, swap_into_place,
                      writable_cache_root)
-from .errors import EXIT_BAD_INPUT, BadInput
+from ..errors import EXIT_BAD_INPUT, BadInput
+from .capacity import GiB, free_bytes
 
 __all__ = ["SHAPES", "RANDOM_WEIGHTS_WARNING", "NoRoomToBuild", "TargetShape", "qwen3_config", "shape_target"]
 
@@ -178,8 +179,6 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
 def _check_room(name: str, weight_bytes: int, out: Path, device: str) -> None:
     """Refuse a build that cannot finish, before it draws anything: its bfloat16 weights are held
     once on ``device`` and written once to the cache's disk (the 32b: 58 GiB of each)."""
-    from .sizes import GiB, free_bytes  # sizes imports the config, which imports this module
-
     disk = shutil.disk_usage(out).free
     if weight_bytes > disk:
         raise NoRoomToBuild(f"target shape {name}: its {weight_bytes / GiB:.1f} GiB of weights do not fit on the disk "
@@ -193,10 +192,10 @@ def _check_room(name: str, weight_bytes: int, out: Path, device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m examples.dflash_trainer.shapes NAME...``: build (or find) shape targets ahead of a run."""
+    """``python -m examples.dflash_trainer.assets.shapes NAME...``: build (or find) shape targets ahead of a run."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer.shapes", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer.assets.shapes", description=main.__doc__)
     parser.add_argument("names", nargs="+", choices=sorted(SHAPES), metavar="NAME", help=f"one of {sorted(SHAPES)}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")

@@ -1,5 +1,7 @@
-"""The build of the embedded default assets (see ``assets``): a stdlib corpus, a byte-level BPE
-tokenizer, a tiny Qwen3 target trained on the corpus, and data the target regenerates."""
+"""The build of the embedded default assets (see ``assets``, which caches it): what a build makes
+(``BuildSpec``, the special tokens, the files it writes) and its steps: a stdlib corpus, a
+byte-level BPE tokenizer, a tiny Qwen3 target trained on the corpus, and data the target
+regenerates."""
 
 from __future__ import annotations
 
@@ -12,14 +14,91 @@ import os
 import platform
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .assets import (_EVAL, _REPORT, _TARGET, _TRAIN, ASSETS_VERSION, EOS_TOKEN, PAD_TOKEN, RESERVED_TOKENS,
-                     SPECIAL_TOKENS, BuildSpec)
-
 logger = logging.getLogger(__name__)
+
+# Bump when the build recipe changes in a way that makes old caches wrong.
+ASSETS_VERSION = "v1"
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+RESERVED_TOKENS = tuple(f"<|reserved_{i}|>" for i in range(6))
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, *RESERVED_TOKENS)
+
+# The files a build writes, relative to its directory (DefaultAssets names their full paths).
+TARGET_DIR = "target"
+TRAIN_FILE = "train.jsonl"
+EVAL_FILE = "eval_prompts.jsonl"
+REPORT_FILE = "target_report.json"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """Sizes of the default-asset build. The defaults are the real build (about
+    2 minutes on 2 CPU cores); :meth:`tiny` is a seconds-long build for tests."""
+
+    corpus_max_bytes: int = 3_000_000
+    heldout_every: int = 10  # about 1 file in this many goes to the held-out split
+    vocab_size: int = 2000  # BPE vocab incl. special tokens; the model rounds up
+    hidden_size: int = 128
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    max_position_embeddings: int = 4096
+    seq_len: int = 128
+    batch_size: int = 16
+    train_steps: int = 500
+    lr: float = 5e-3
+    warmup_steps: int = 25
+    eval_windows: int = 64  # held-out windows of seq_len tokens for the loss check
+    min_loss_drop: float = 1.5  # nats; less means the target did not learn
+    prompt_len: int = 64
+    new_tokens: int = 96
+    num_samples: int = 512
+    num_eval_prompts: int = 16
+    gen_batch_size: int = 128
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls) -> "BuildSpec":
+        """A build of a few seconds with the same code paths, for tests."""
+        return cls(
+            corpus_max_bytes=300_000, heldout_every=5, vocab_size=400, hidden_size=64,
+            num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128,
+            max_position_embeddings=512, seq_len=64, batch_size=8, train_steps=60,
+            lr=1e-2, warmup_steps=5, eval_windows=16, min_loss_drop=0.5, prompt_len=24,
+            new_tokens=16, num_samples=24, num_eval_prompts=4, gen_batch_size=24,
+        )
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"BuildSpec: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+        if self.vocab_size <= 256 + len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"BuildSpec: vocab_size {self.vocab_size} leaves no room for merges; a "
+                f"byte-level BPE needs 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens")
+        if self.prompt_len + self.new_tokens > self.max_position_embeddings:
+            raise ValueError(
+                "BuildSpec: prompt_len + new_tokens exceeds max_position_embeddings; "
+                "raise max_position_embeddings")
+        for name in ("head_dim", "train_steps", "batch_size", "seq_len", "num_samples",
+                     "num_eval_prompts", "gen_batch_size", "eval_windows", "heldout_every",
+                     "prompt_len", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BuildSpec: {name} must be >= 1, got {getattr(self, name)}")
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
 
 # Directories of the stdlib that are not ordinary library code: installed third-party
 # packages (differ per machine), test suites (huge, repetitive), generated tables.
@@ -45,7 +124,7 @@ def build(out: Path, spec: BuildSpec) -> dict:
 
     t = time.perf_counter()
     tokenizer = _train_tokenizer(corpus["train"], spec)
-    tokenizer.save_pretrained(out / _TARGET)
+    tokenizer.save_pretrained(out / TARGET_DIR)
     train_files = [ids for ids in _encode(tokenizer, corpus["train"]) if ids]
     heldout_files = [ids for ids in _encode(tokenizer, corpus["heldout"]) if ids]
     timings["tokenizer_s"] = time.perf_counter() - t
@@ -54,7 +133,7 @@ def build(out: Path, spec: BuildSpec) -> dict:
 
     t = time.perf_counter()
     model, losses = _train_target(tokenizer, train_files, heldout_files, spec)
-    model.save_pretrained(out / _TARGET, safe_serialization=True)
+    model.save_pretrained(out / TARGET_DIR, safe_serialization=True)
     timings["target_train_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -83,10 +162,10 @@ def build(out: Path, spec: BuildSpec) -> dict:
         "train_loss_last": losses["train_last"],
         "data": data,
         "timings": timings,
-        "bytes": {p.name: p.stat().st_size for p in sorted((out / _TARGET).iterdir())}
-        | {_TRAIN: (out / _TRAIN).stat().st_size, _EVAL: (out / _EVAL).stat().st_size},
+        "bytes": {p.name: p.stat().st_size for p in sorted((out / TARGET_DIR).iterdir())}
+        | {TRAIN_FILE: (out / TRAIN_FILE).stat().st_size, EVAL_FILE: (out / EVAL_FILE).stat().st_size},
     }
-    (out / _REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     logger.info(
         "default assets: built in %.1fs (corpus %.1fs, tokenizer %.1fs, target %.1fs, "
         "data %.1fs); held-out loss %.3f -> %.3f", timings["total_s"], timings["corpus_s"],
@@ -270,7 +349,7 @@ def _generate_data(model, tokenizer, train_files, heldout_files, spec: BuildSpec
     response_lens = []
     ended_with_eos = 0
     t0 = time.perf_counter()
-    with open(out / _TRAIN, "w") as fh, torch.no_grad():
+    with open(out / TRAIN_FILE, "w") as fh, torch.no_grad():
         for i, chunk in enumerate(prompts.split(spec.gen_batch_size)):
             # All prompts have the same length, so no padding and no attention mask games.
             seqs = model.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk),
@@ -290,7 +369,7 @@ def _generate_data(model, tokenizer, train_files, heldout_files, spec: BuildSpec
                         time.perf_counter() - t0)
 
     eval_prompts = _sample_prompts(heldout_files, spec.num_eval_prompts, spec.prompt_len, gen)
-    with open(out / _EVAL, "w") as fh:
+    with open(out / EVAL_FILE, "w") as fh:
         for prompt in eval_prompts.tolist():
             fh.write(json.dumps({"input_ids": prompt}, separators=(",", ":")) + "\n")
     return {"num_samples": len(response_lens), "num_eval_prompts": len(eval_prompts),

@@ -18,7 +18,8 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from .export import ExportError, Source, _fresh_dir, zlab_config
+from .source import ExportError, Source, fresh_dir
+from .zlab import zlab_config
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes
 # z-lab-only keys; the rest of the z-lab config is the draft body's Qwen3 config.
@@ -72,7 +73,7 @@ def speculators_config(src: Source) -> dict[str, Any]:
 
 def write_speculators(src: Source, out: str | Path) -> Path:
     config = speculators_config(src)  # raises before anything is written
-    out = _fresh_dir(out)
+    out = fresh_dir(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})

@@ -14,19 +14,18 @@ final step, where a full disk would lose the whole run.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from .config import TrainConfig
-from .errors import BadInput
+from ..config import TrainConfig
+from ..errors import BadInput
+from .capacity import GiB, free_bytes, human_bytes
 
 log = logging.getLogger("dflash")
 
-GiB = 1 << 30
 # Live copies of a drafter step's [tokens, vocab] logits (logits, log-softmax, their gradients,
 # the autocast/fp32 copies), calibrated on CPU runs of the embedded target (SAFETY.md).
 LOGITS_COPIES = 6
@@ -72,14 +71,6 @@ def trainable_drafter_params(config: TrainConfig, model_config: Any, num_params:
             + config.num_feature_layers * hidden * hidden)
 
 
-def human_bytes(n: float) -> str:
-    """A byte count for people: GiB, MiB, KiB or bytes, whichever shows it without rounding to 0."""
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"
-
-
 def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: int, saves: int) -> None:
     """Refuse a run whose checkpoint cannot fit on the disk of ``--out-dir`` (the last one is
     written after the final step: found there, the whole run would be lost), and warn when all
@@ -97,26 +88,6 @@ def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: in
         log.warning("dflash: the run's %d checkpoints need about %s, more than the %s free on the disk of "
                     "%s; raise --checkpoint-every or make room before they are written", saves, human_bytes(one * saves),
                     human_bytes(free), out)
-
-
-def free_bytes(device: str) -> Optional[int]:
-    """Free memory of a device (host: MemAvailable), or None when unknown."""
-    if device.startswith("cuda"):
-        try:
-            return torch.cuda.mem_get_info(torch.device(device))[0]
-        except Exception:
-            return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def per_device(config: TrainConfig, model_config: Any, num_params: int, dtype: torch.dtype,
