@@ -4,7 +4,7 @@
     python -m tests.gpu_fence_scenarios matrix --ops rng|compiled_rng|sync|host|memory --kind train|infer
                                               [--variant fenced|unfenced]
 
-Every scenario prints one JSON object as its last line. ``tests/test_gpu_fence.py`` runs them in
+Every scenario prints one JSON object as its last line. ``tests/library/test_gpu_fence.py`` runs them in
 subprocesses and asserts on the results; ``--variant unfenced`` leaves the fence's patches out
 (every other patch stays), which shows what the fence is for.
 """

@@ -3,7 +3,7 @@
     python -m tests.gpu_scenarios NAME [--steps N] [--workers N] [--out result.json]
 
 Every scenario prints one JSON object (and writes it to --out): what ran, what was compared,
-per-worker step times. ``tests/test_gpu.py`` runs them in subprocesses and asserts on the
+per-worker step times. ``tests/library/test_gpu.py`` runs them in subprocesses and asserts on the
 results; run directly they double as measurements. The workers and references they use are in
 ``tests/gpu_workers.py``.
 """

@@ -7,5 +7,5 @@ the tree manager's counts and modes, live memory blocks, warnings, skip messages
 ``placements.py`` runs a case on the main thread without threadgraph, on the main thread after
 ``install()``, in a plain ``threading.Thread`` after ``install()`` and in a
 ``CompiledWorkerThread``; ``python -m tests.conformance`` runs cases in fresh processes and
-writes the cases x placements table; ``tests/test_conformance.py`` fails on any difference.
+writes the cases x placements table; ``tests/library/test_conformance.py`` fails on any difference.
 """

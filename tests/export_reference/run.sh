@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reference-implementation test of the DFlash export: tests/test_dflash_export_reference.py in a
+# Reference-implementation test of the DFlash export: tests/trainer/test_dflash_export_reference.py in a
 # venv of its own with speculators 0.9.0, which cannot live in the project's environment:
 #   - it pins transformers<=5.19 (the project resolves to a newer one);
 #   - it requires torchvision and torchaudio, which it never imports for DFlash, and PyPI's
@@ -22,4 +22,4 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import speculators" 2
 fi
 cd "$ROOT"
 "$VENV/bin/python" -c "from importlib.metadata import version as v; print('speculators', v('speculators'), 'transformers', v('transformers'), 'torch', v('torch'))"
-exec "$VENV/bin/python" -m pytest -q -s -p no:cacheprovider tests/test_dflash_export_reference.py "$@"
+exec "$VENV/bin/python" -m pytest -q -s -p no:cacheprovider tests/trainer/test_dflash_export_reference.py "$@"

@@ -26,7 +26,7 @@ from examples.dflash_trainer.train import train
 
 import test_dflash_train as train_tests
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
 

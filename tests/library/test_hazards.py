@@ -12,7 +12,7 @@ import threadgraph
 from threadgraph import _hazards
 from threadgraph._patches import PATCHES
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A path out of the repository into the project's notes, or a hazard by number.
 OUTSIDE_OR_NUMBERED = re.compile(r"\.\./shared/|[a-z]+-threading-hazards|\bhazards? \d+\b")
 VERIFIED_LINK = re.compile(r"^https://github\.com/pytorch/pytorch/(issues|pull)/\d+$")

@@ -12,7 +12,7 @@ import pytest
 
 from tests import gpu_process
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # as the script runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the script runs
 collector = importlib.import_module("gpu_scenarios_results")
 results_index = importlib.import_module("results_index")
 
@@ -36,8 +36,8 @@ def suite(folder: Path) -> Path:
     record(folder, "repro_123177_threads_32", ["-m", "tests.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
            result={"gpu": "NVIDIA H200", "torch": "2.12.0"})  # the fence's own benchmark keeps these
     (folder / "junit.xml").write_text(
-        '<testsuites><testsuite><testcase classname="tests.test_gpu" name="test_many"/>'
-        '<testcase classname="tests.test_gpu" name="test_whole_step"><failure message="exit 1"/></testcase>'
+        '<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
+        '<testcase classname="tests.library.test_gpu" name="test_whole_step"><failure message="exit 1"/></testcase>'
         '</testsuite></testsuites>')
     return folder
 
@@ -64,8 +64,8 @@ def test_a_run_becomes_a_phase_of_its_days_file_with_failures_and_test_outcomes(
     assert sorted(phase) == ["many_workers_8_steps_200", "pytest_outcomes", "whole_step_steps_200"]
     assert phase["many_workers_8_steps_200"] == MANY
     assert phase["whole_step_steps_200"] == {"error": "exit 1: RuntimeError: capture failed", "seconds": 3.0}
-    assert phase["pytest_outcomes"] == {"tests.test_gpu::test_many": "passed",
-                                        "tests.test_gpu::test_whole_step": "failure: exit 1"}
+    assert phase["pytest_outcomes"] == {"tests.library.test_gpu::test_many": "passed",
+                                        "tests.library.test_gpu::test_whole_step": "failure: exit 1"}
     assert results_index.gpu_scenarios(data) == [
         ("8 training workers on one GPU, 200 steps (suite)", "1600 steps/s against 150 for eager threads; 8 of 8 equal to alone"),
         ("one worker, step p50 (suite)", "failed: exit 1: RuntimeError: capture failed")]

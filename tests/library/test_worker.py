@@ -396,7 +396,7 @@ def test_the_process_exits_cleanly_right_after_join(tmp_path):
         "        barrier.wait()\n"
         "threadgraph.WorkerGroup([W('cpu', max_steps=2, name=f'w{i}') for i in range(32)]).start().join()\n"
     )
-    src = str(Path(__file__).resolve().parent.parent / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, PYTHONPATH=src)
     for _ in range(3):
         procs = [subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -385,7 +385,7 @@ RESET_AND_RECOMPILE = RESET_DURING_A_WAIT.replace("threadgraph.install()\n", tex
 def _run_script(script: str) -> subprocess.CompletedProcess:
     here = Path(__file__).resolve().parent
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=here,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent / "src"), str(here)])))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1] / "src"), str(here)])))
 
 
 @pytest.mark.parametrize("script", [RESET_DURING_A_WAIT, RESET_AND_RECOMPILE], ids=["reset", "reset-and-recompile"])

@@ -1,7 +1,7 @@
 """CPU tests of the DFlash export (examples/dflash_trainer/export/): the round trip through the
 z-lab format continues training with the same losses, the configs record the run's facts, and
 every refusal says what is wrong and what to do. The comparison against the reference
-implementation is tests/test_dflash_export_reference.py (own venv)."""
+implementation is tests/trainer/test_dflash_export_reference.py (own venv)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from export_fixtures import load_heads, make_checkpoint, make_random_target
+from tests.export_fixtures import load_heads, make_checkpoint, make_random_target
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.checkpoint import WEIGHTS
@@ -181,7 +181,7 @@ def test_the_module_entry_point_exports(random_run, tmp_path):
     import sys
 
     run, _, _ = random_run
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer.export", "--checkpoint",
                            str(run / "checkpoints" / "step_00000007"), "--format", "speculators",
                            "--out", str(tmp_path / "spec")], cwd=root, capture_output=True, text=True, timeout=120)

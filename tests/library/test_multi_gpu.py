@@ -1,5 +1,5 @@
 """Scenarios that need two or more GPUs (tests/gpu_scenarios.py, each in a fresh process).
-The trainer's two-GPU test is in tests/test_gpu_trainer.py; the channel's in test_dflash_channel.py."""
+The trainer's two-GPU test is in tests/trainer/test_gpu_trainer.py; the channel's in test_dflash_channel.py."""
 
 import os
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 dflash_ab = importlib.import_module("dflash_ab")
 results_index = importlib.import_module("results_index")
@@ -20,7 +20,7 @@ FAKE_BENCH = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     out = Path(sys.argv[sys.argv.index("--out-dir") + 1])
-    tree = Path(__file__).resolve().parent.parent.name
+    tree = Path(__file__).resolve().parents[2].name
     if tree == "broken":
         sys.exit(3)
     log = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent / "turns.txt"

@@ -18,7 +18,7 @@ import torch
 
 from threadgraph import CompiledWorkerThread, GroupStopped, WorkerError, WorkerGroup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Stepper(CompiledWorkerThread):

@@ -164,7 +164,7 @@ def test_plain_threads_that_ran_compiled_code_under_install_then_exit_end_the_pr
         "threads = [threading.Thread(target=body) for _ in range(4)]\n"
         "[t.start() for t in threads]\n[t.join() for t in threads]\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PYTHONPATH": str(root / "src")})

@@ -14,7 +14,7 @@ import torch
 import threadgraph
 from threadgraph import _compat, _doctor, _gate, _patches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 trees = _compat.cudagraph_trees()
 ABSENT = object()
 

@@ -8,7 +8,7 @@ from examples.dflash_trainer import policy, step
 from examples.dflash_trainer.startup import StartupMonitor, describe, snapshot
 from examples.dflash_trainer.target import TargetSource
 from examples.dflash_trainer.train import train
-from tests.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)
+from tests.trainer.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)
 
 import threadgraph
 from threadgraph import _first_call

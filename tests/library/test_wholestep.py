@@ -1,5 +1,5 @@
 """CPU tests of capture_step: API, error paths, fallback choice. Capture itself is GPU-only
-(tests/test_gpu.py); here torch.cuda.graph is replaced by a stand-in that fails like a capture."""
+(tests/library/test_gpu.py); here torch.cuda.graph is replaced by a stand-in that fails like a capture."""
 
 import contextlib
 import logging

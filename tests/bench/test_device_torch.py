@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("device_torch", ROOT / "tools" / "device_torch.py")
 device_torch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(device_torch)
