@@ -113,7 +113,7 @@ def run_cell(cfg, processes: int, cell_timeout: int, cache_dir: str) -> dict:
 
 def main(argv=None) -> int:
     from examples.dflash_trainer.config import TrainConfig
-    from examples.dflash_trainer.metrics import LOG_EVERY
+    from examples.dflash_trainer.run.metrics import LOG_EVERY
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell-config", required=True, help="the TrainConfig as JSON (dflash_throughput.py writes it)")

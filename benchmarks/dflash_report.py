@@ -17,7 +17,7 @@ from typing import Optional
 
 import common
 from dflash_results import EMPTY, RESTART, TARGET_RATIO, inductor_cache, startup_comparable
-from examples.dflash_trainer.metrics import LOG_EVERY, format_phases
+from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 
 def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Optional[dict] = None,

@@ -53,7 +53,7 @@ from dflash_results import EMPTY, SHARED  # noqa: E402
 
 import torch  # noqa: E402
 
-from examples.dflash_trainer.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
+from examples.dflash_trainer.run.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
 from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
 

@@ -61,9 +61,9 @@ def _qwen3_config(s: dict):
 
 def dflash_work(device: torch.device, seed: int) -> Work:
     from examples.dflash_trainer.config import TrainConfig
-    from examples.dflash_trainer.loss import sample_anchors
-    from examples.dflash_trainer.model import DFlashDrafter
-    from examples.dflash_trainer.step import make_step_fn
+    from examples.dflash_trainer.drafter.loss import sample_anchors
+    from examples.dflash_trainer.drafter.model import DFlashDrafter
+    from examples.dflash_trainer.drafter.step import make_step_fn
 
     common.allow_recompiles()
     s = DFLASH_SIZES[device.type]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from examples.dflash_trainer.checkpoint import save_checkpoint
+from examples.dflash_trainer.run.checkpoint import save_checkpoint
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.model import DFlashDrafter
+from examples.dflash_trainer.drafter.model import DFlashDrafter
 
 
 def make_random_target(out: Path, *, layers: int = 8, hidden: int = 64, heads: int = 4,

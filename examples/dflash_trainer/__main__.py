@@ -22,8 +22,8 @@ from threadgraph import WorkerError, check_settings
 
 from .config import CHOICES, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
-from .metrics import format_phases
-from .run_result import RunResult
+from .run.metrics import format_phases
+from .run.result import RunResult
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     from tqdm import tqdm
 
-    from .checkpoint import RunFinished
-    from .run_control import Interrupted
-    from .startup import describe as describe_startup
+    from .run.checkpoint import RunFinished
+    from .run.control import Interrupted
+    from .run.startup import describe as describe_startup
     from .train import train
 
     bar = tqdm(desc="dflash", unit="step", dynamic_ncols=True)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resume_hint(config: TrainConfig) -> str:
     """Where a failed run can continue from: its directory's latest checkpoint, if it has one."""
-    from .checkpoint import CheckpointError, latest_checkpoint
-    from .outdir import CHECKPOINTS
+    from .run.checkpoint import CheckpointError, latest_checkpoint
+    from .run.outdir import CHECKPOINTS
 
     try:
         latest = latest_checkpoint(os.path.join(config.out_dir, CHECKPOINTS))

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import BadInput
-from .loss import anchor_scores
+from .drafter.loss import anchor_scores
 
 logger = logging.getLogger(__name__)
 

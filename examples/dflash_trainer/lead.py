@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .checkpoint import Checkpointer
+from .run.checkpoint import Checkpointer
 from .eval import Evaluator
-from .metrics import TrainingLog
-from .replica import DrafterReplica
-from .run_control import RunControl
+from .run.metrics import TrainingLog
+from .drafter.replica import DrafterReplica
+from .run.control import RunControl
 
 
 class Lead:

@@ -19,17 +19,17 @@ import torch
 
 from . import distributed
 from .assets import sizes
-from .checkpoint import Checkpointer, RunFinished
+from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
 from .data import ShardBatches, TokenData, read_jsonl
 from .errors import InputError
 from .eval import Evaluator, held_out_prompts
-from .metrics import MetricsLogger, TrainingLog
+from .run.metrics import MetricsLogger, TrainingLog
 from .placement import available_devices
 from .policy import ExecutionPolicy
-from .replica import DrafterReplica
+from .drafter.replica import DrafterReplica
 from .schedule import Schedule
-from .step import METRIC_NAMES
+from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetSource
 from .target_stage import TargetStage
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import threadgraph
 
 from .channel import Channel, ChannelClosed
-from .grads import FlatGrads
-from .run_control import RunControl
+from .drafter.grads import FlatGrads
+from .run.control import RunControl
 
 
 class OrderedInbox:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, MissingInput
-from .model import target_layer_ids
+from .drafter.model import target_layer_ids
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .policy import ExecutionPolicy
-from .step import make_target_step
+from .drafter.step import make_target_step
 from .target import TargetModel
 
 

@@ -11,17 +11,18 @@ from typing import Callable, Optional
 
 import threadgraph
 
-from . import distributed, outdir
+from . import distributed
+from .run import outdir
 from .channel import ChannelClosed
 from .config import TrainConfig
 from .lead import Lead
-from .metrics import MetricsLogger
+from .run.metrics import MetricsLogger
 from .pipeline import Pipeline
 from .placement import place
 from .routing import GradientAverager, Handoff
-from .run_control import Interrupted, RunControl
-from .run_result import RunResult, WorkerResult
-from .startup import StartupMonitor
+from .run.control import Interrupted, RunControl
+from .run.result import RunResult, WorkerResult
+from .run.startup import StartupMonitor
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")

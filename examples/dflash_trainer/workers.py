@@ -13,8 +13,8 @@ import threadgraph
 
 from .data import ShardBatches
 from .lead import Lead
-from .metrics import PhaseTimes
-from .replica import DrafterReplica
+from .run.metrics import PhaseTimes
+from .drafter.replica import DrafterReplica
 from .channel import ChannelClosed
 from .routing import GradientAverager, Handoff
 from .target_stage import TargetStage

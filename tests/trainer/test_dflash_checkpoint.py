@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from examples.dflash_trainer.checkpoint import (CheckpointError, latest_checkpoint,
+from examples.dflash_trainer.run.checkpoint import (CheckpointError, latest_checkpoint,
                                                 load_checkpoint, save_checkpoint)
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.model import DFlashDrafter
+from examples.dflash_trainer.drafter.model import DFlashDrafter
 
 VOCAB, HIDDEN = 50, 32
 
@@ -165,7 +165,7 @@ def test_config_from_dict_rejects_unknown_keys():
                                      RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024 vs 990")])
 def test_a_save_that_runs_out_of_disk_says_so_leaves_no_temp_dir_and_keeps_earlier_checkpoints(tmp_path, monkeypatch,
                                                                                               failure):
-    from examples.dflash_trainer import checkpoint as ckpt
+    from examples.dflash_trainer.run import checkpoint as ckpt
 
     model = torch.nn.Linear(3, 3)
     first = ckpt.save_checkpoint(tmp_path, 1, model, None, None)

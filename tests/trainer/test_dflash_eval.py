@@ -5,7 +5,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from examples.dflash_trainer.eval import acceptance_length, repeat_last_token
-from examples.dflash_trainer.model import DFlashDrafter
+from examples.dflash_trainer.drafter.model import DFlashDrafter
 from examples.dflash_trainer.target import TargetModel
 
 MASK, BS = 299, 4

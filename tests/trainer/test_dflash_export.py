@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.export_fixtures import load_heads, make_checkpoint, make_random_target
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
-from examples.dflash_trainer.checkpoint import WEIGHTS
+from examples.dflash_trainer.run.checkpoint import WEIGHTS
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.export.export import export, main
 from examples.dflash_trainer.export.source import ExportError
@@ -230,7 +230,7 @@ def test_the_exporter_refuses_what_resume_refuses_with_one_line_and_exit_2(rando
 
 
 def test_the_exporter_refuses_non_finite_weights_even_with_a_matching_manifest(random_run, tmp_path, capsys):
-    from examples.dflash_trainer.checkpoint import save_checkpoint, read_state
+    from examples.dflash_trainer.run.checkpoint import save_checkpoint, read_state
 
     run, _, drafter = random_run
     step = run / "checkpoints" / "step_00000007"
@@ -265,7 +265,7 @@ def test_a_target_shape_run_exports_against_its_shape_without_target(random_run,
     from types import SimpleNamespace
 
     from examples.dflash_trainer.assets import assets, shapes
-    from examples.dflash_trainer.checkpoint import read_state, save_checkpoint
+    from examples.dflash_trainer.run.checkpoint import read_state, save_checkpoint
 
     run, target, drafter = random_run
     step = run / "checkpoints" / "step_00000007"

@@ -19,7 +19,7 @@ pytest.importorskip("speculators", reason="needs speculators 0.9.0: run bash tes
 from tests.export_fixtures import make_checkpoint, make_random_target  # noqa: E402
 
 from examples.dflash_trainer.export.export import export  # noqa: E402
-from examples.dflash_trainer.loss import block_positions, build_blocks, dflash_attention_mask  # noqa: E402
+from examples.dflash_trainer.drafter.loss import block_positions, build_blocks, dflash_attention_mask  # noqa: E402
 from examples.dflash_trainer.target import TargetModel  # noqa: E402
 
 SEQ = 40

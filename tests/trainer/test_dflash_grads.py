@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from examples.dflash_trainer.grads import FlatGrads, make_optimizer
+from examples.dflash_trainer.drafter.grads import FlatGrads, make_optimizer
 
 
 def _model():
@@ -77,7 +77,7 @@ def test_optimizer_steps_on_the_views():
 
 
 def test_update_clips_steps_and_records_rows_like_the_eager_recipe():
-    from examples.dflash_trainer.step import make_update
+    from examples.dflash_trainer.drafter.step import make_update
 
     x = torch.randn(5, 4) * 5
     reference, model = _model(), _model()
@@ -103,7 +103,7 @@ def test_update_clips_steps_and_records_rows_like_the_eager_recipe():
 
 
 def test_a_captured_update_keeps_its_learning_rate_a_tensor():
-    from examples.dflash_trainer.step import make_update
+    from examples.dflash_trainer.drafter.step import make_update
 
     params = list(_model().parameters())
     flat = FlatGrads(params, extras=0)

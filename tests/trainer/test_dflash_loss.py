@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from examples.dflash_trainer.loss import (block_positions, build_blocks, dflash_accuracy,
+from examples.dflash_trainer.drafter.loss import (block_positions, build_blocks, dflash_accuracy,
                                           dflash_attention_mask, dflash_loss, labels_and_weights,
                                           sample_anchors)
 
@@ -213,8 +213,8 @@ def test_accuracy_counts_weighted_outputs_and_first_draft():
 
 
 def test_target_step_draws_the_anchors_sample_anchors_draws():
-    from examples.dflash_trainer.loss import anchor_scores
-    from examples.dflash_trainer.step import make_target_step
+    from examples.dflash_trainer.drafter.loss import anchor_scores
+    from examples.dflash_trainer.drafter.step import make_target_step
 
     lm = torch.zeros(3, 40, dtype=torch.long)
     lm[:, 5:] = 1

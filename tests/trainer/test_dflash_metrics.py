@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.dflash_trainer.metrics import MetricsLogger, PhaseTimes, TrainingDiverged, TrainingLog
+from examples.dflash_trainer.run.metrics import MetricsLogger, PhaseTimes, TrainingDiverged, TrainingLog
 
 
 def _read(path):
@@ -100,7 +100,7 @@ def test_training_log_names_the_first_step_that_diverged():
 
 
 def test_a_diverged_run_advises_resuming_only_from_a_checkpoint_it_has(tmp_path):
-    from examples.dflash_trainer.checkpoint import save_checkpoint
+    from examples.dflash_trainer.run.checkpoint import save_checkpoint
 
     saved = save_checkpoint(tmp_path / "ckpt", 1, torch.nn.Linear(2, 2), None, None)
     history = torch.tensor([[1.0, 1.0], [float("nan"), 1.0]])
@@ -111,7 +111,7 @@ def test_a_diverged_run_advises_resuming_only_from_a_checkpoint_it_has(tmp_path)
 
 def test_phase_times_split_each_step_and_skip_warmup(monkeypatch):
     clock = iter([0.0, 0.001, 0.004, 10.0, 10.002, 10.005, 20.0, 20.003, 20.004])
-    monkeypatch.setattr("examples.dflash_trainer.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("examples.dflash_trainer.run.metrics.time.perf_counter", lambda: next(clock))
     phases = PhaseTimes()
     for _ in range(3):
         phases.begin()

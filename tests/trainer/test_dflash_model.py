@@ -6,9 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from examples.dflash_trainer.loss import (block_positions, build_blocks, dflash_attention_mask,
+from examples.dflash_trainer.drafter.loss import (block_positions, build_blocks, dflash_attention_mask,
                                           dflash_loss, labels_and_weights, sample_anchors)
-from examples.dflash_trainer.model import DFlashDrafter, target_layer_ids
+from examples.dflash_trainer.drafter.model import DFlashDrafter, target_layer_ids
 from examples.dflash_trainer.target import TargetModel, choose_mask_token_id
 
 VOCAB, MASK = 300, 299

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
-from examples.dflash_trainer.checkpoint import ResumeMismatch
+from examples.dflash_trainer.run.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
-from examples.dflash_trainer.outdir import OutDirError, RunLock
+from examples.dflash_trainer.run.outdir import OutDirError, RunLock
 from examples.dflash_trainer.train import train
 
 import test_dflash_train as train_tests
@@ -117,7 +117,7 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
     import threading
 
     from examples.dflash_trainer import __main__ as cli
-    from examples.dflash_trainer import replica
+    from examples.dflash_trainer.drafter import replica
 
     real, calls = replica.DrafterReplica.forward_backward, []
 

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from examples.dflash_trainer.run_control import Interrupted, RunControl
+from examples.dflash_trainer.run.control import Interrupted, RunControl
 
 
 def test_alone_the_request_decides_and_a_fresh_run_does_not_stop():

@@ -1,6 +1,6 @@
 """RunResult.to_json() is the --json line that GPU tests and benchmarks parse: its keys and order."""
 
-from examples.dflash_trainer.run_result import RunResult, WorkerResult
+from examples.dflash_trainer.run.result import RunResult, WorkerResult
 
 WORKER = WorkerResult(device="cpu", p50_ms=1.5, p90_ms=None, setup_s=0.1, first_step_at_s=0.2, warmup_s=0.3,
                       compile_s=0.0, capture_s=0.0, peer_compile_wait_s=0.0, captures=0, steps=4,

@@ -18,10 +18,10 @@ import pytest
 
 from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
-from examples.dflash_trainer.checkpoint import CheckpointError, ResumeMismatch, RunFinished
+from examples.dflash_trainer.run.checkpoint import CheckpointError, ResumeMismatch, RunFinished
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer.outdir import OutDirError
+from examples.dflash_trainer.run.outdir import OutDirError
 from examples.dflash_trainer.train import train
 
 import test_dflash_train as train_tests
@@ -94,7 +94,7 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_runs_never_mix(tiny_asset
 
 
 def test_every_checkpoint_write_is_fsynced_before_its_rename(tiny_assets, tmp_path, monkeypatch):
-    from examples.dflash_trainer import checkpoint
+    from examples.dflash_trainer.run import checkpoint
 
     events = []
     real_fsync, real_replace = checkpoint._fsync, os.replace

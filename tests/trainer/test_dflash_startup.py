@@ -4,8 +4,10 @@ startup report says what each worker is doing."""
 import pytest
 import torch
 
-from examples.dflash_trainer import policy, step
-from examples.dflash_trainer.startup import StartupMonitor, describe, snapshot
+from examples.dflash_trainer import policy
+
+from examples.dflash_trainer.drafter import step
+from examples.dflash_trainer.run.startup import StartupMonitor, describe, snapshot
 from examples.dflash_trainer.target import TargetSource
 from examples.dflash_trainer.train import train
 from tests.trainer.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)

@@ -14,7 +14,7 @@ import torch
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
-from examples.dflash_trainer.grads import FlatGrads
+from examples.dflash_trainer.drafter.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
 from examples.dflash_trainer.train import train
 
@@ -137,7 +137,7 @@ def test_two_gloo_processes_average_gradients_identically_to_one(tmp_path):
     script.write_text(
         "import os, sys, torch, torch.distributed as dist\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from examples.dflash_trainer.grads import FlatGrads\n"
+        "from examples.dflash_trainer.drafter.grads import FlatGrads\n"
         "from examples.dflash_trainer.routing import GradientAverager\n"
         "dist.init_process_group('gloo')\n"
         "r = dist.get_rank()\n"
@@ -181,7 +181,7 @@ def test_ctrl_c_stops_all_workers_and_checkpoints(tiny_assets, tmp_path):
 def test_ctrl_c_before_any_checkpoint_says_none_was_saved(tmp_path, monkeypatch, capsys):
     from examples.dflash_trainer import __main__ as cli
     from examples.dflash_trainer import train as train_module
-    from examples.dflash_trainer.run_control import Interrupted
+    from examples.dflash_trainer.run.control import Interrupted
 
     def interrupted(config, progress=None):
         raise Interrupted(None)  # what train() raises when no step completed
@@ -329,7 +329,7 @@ def test_the_process_group_is_torn_down_only_after_a_finished_run(finished):
 
 
 def test_a_target_shape_run_resumed_without_its_flag_is_refused_naming_it(tmp_path):
-    from examples.dflash_trainer.checkpoint import Checkpointer
+    from examples.dflash_trainer.run.checkpoint import Checkpointer
 
     shaped = TrainConfig(target_shape="tiny", out_dir=str(tmp_path), devices="cpu")
     Checkpointer(tmp_path / "checkpoints", shaped).save(2, torch.nn.Linear(2, 2), None, None)

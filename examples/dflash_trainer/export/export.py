@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError
+from ..run.checkpoint import CheckpointError
 from .export_speculators import write_speculators
 from .source import ExportError, read_source
 from .zlab import last_layer_warning, write_zlab

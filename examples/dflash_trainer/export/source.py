@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import STATE, WEIGHTS, latest_checkpoint, read_state, read_weights, verified
-from ..model import target_layer_ids
+from ..run.checkpoint import STATE, WEIGHTS, latest_checkpoint, read_state, read_weights, verified
+from ..drafter.model import target_layer_ids
 
 
 class ExportError(ValueError):

@@ -11,8 +11,8 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..checkpoint import CheckpointError
-from ..model import DFlashDrafter
+from ..run.checkpoint import CheckpointError
+from ..drafter.model import DFlashDrafter
 from .source import ExportError, Source, fresh_dir
 
 ZLAB_ARCHITECTURE = "DFlashDraftModel"

@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import TrainConfig
-from .errors import BadInput
-from .assets.capacity import human_bytes
+from ..config import TrainConfig
+from ..errors import BadInput
+from ..assets.capacity import human_bytes
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"

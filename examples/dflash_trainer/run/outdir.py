@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import written_by_checkpointer
-from .config import TrainConfig
-from .errors import BadInput
+from ..config import TrainConfig
+from ..errors import BadInput
 
 try:
     import fcntl

@@ -14,14 +14,14 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import Checkpointer
-from .config import TrainConfig
+from ..run.checkpoint import Checkpointer
+from ..config import TrainConfig
 from .grads import FlatGrads, make_optimizer
 from .model import DFlashDrafter
-from .policy import ExecutionPolicy
-from .schedule import Schedule
+from ..policy import ExecutionPolicy
+from ..schedule import Schedule
 from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
-from .target import TargetModel
+from ..target import TargetModel
 
 
 class DrafterReplica:
