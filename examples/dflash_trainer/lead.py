@@ -3,7 +3,7 @@ the training metrics (every process), evaluate tau and save a checkpoint (proces
 
 They run on replica 0's thread because they read its weights at a step boundary: the other
 replicas wait for it at the next gradient average, so nothing changes the weights meanwhile.
-A stop request (SIGINT/SIGTERM, see run_control.RunControl) is honoured there too: the lead saves a
+A stop request (SIGINT/SIGTERM, see run.control.RunControl) is honoured there too: the lead saves a
 checkpoint of the step just completed and stops the workers.
 """
 
