@@ -161,7 +161,9 @@ HAZARDS: tuple[Hazard, ...] = (
         "`_remove_obj_from_tls`) and `join()` waits for the OS thread to be gone (Linux). For plain "
         "threads, which nothing joins that way, interpreter exit waits (after Python joined its threads, "
         "5 s at most) until the OS threads of finished threads that stashed entries are gone; seen once "
-        "in the CPU conformance suite before that wait (a plain thread under `install()`, exit right after).",
+        "in the CPU conformance suite before that wait (a plain thread under `install()`, exit right after). "
+        "A thread still running is not waited for, judged by `threading.enumerate()`: a Ctrl-C inside "
+        "`Thread.join()` leaves a running thread reporting `is_alive()` False.",
         _compat.thread_exit_during_finalization_aborts,
     ),
     Hazard(
