@@ -14,9 +14,16 @@ copying its piece into a stash outside the repository; the last one installs:
     #   command: eval "$(python tools/device_torch.py install --torch 2.14.1)"; python -c 'import torch; ...'
 
 ``install`` unpacks into ``<stash>/torch<version>/site`` and prints the ``export PYTHONPATH=...``
-line that puts it first; the CUDA libraries (the ``nvidia`` package) are those of the machine's
-own torch, linked in beside it, since torch finds them relative to its own folder. Exit 2 with one
-line for a missing, corrupt or foreign piece.
+line that puts it first. Torch finds its CUDA libraries (the ``nvidia`` package) relative to its
+own folder, so ``site/nvidia`` holds those that travelled and links to the machine's own for the
+rest. Where a machine's library is older than the release needs (a missing symbol stops
+``import torch``), pack that library's wheel as a bundle of its own and name it at install:
+
+    python tools/device_torch.py pack --name nccl2.30.7 --wheels DIR_WITH_THE_NCCL_WHEEL
+    #   ... receive its pieces as above, then:
+    #   command: eval "$(python tools/device_torch.py install --torch 2.14.1 --with nccl2.30.7)"
+
+Exit 2 with one line for a missing, corrupt or foreign piece.
 """
 
 from __future__ import annotations
@@ -50,8 +57,13 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest_path(folder: Path, torch_version: str) -> Path:
-    return folder / f"torch{torch_version}.json"
+def manifest_path(folder: Path, bundle: str) -> Path:
+    """A bundle is one packed archive: ``torch<version>`` or another name given at pack."""
+    return folder / f"{bundle}.json"
+
+
+def bundle_of(piece: Path) -> str:
+    return piece.name.split(".part")[0]
 
 
 def read_manifest(path: Path) -> dict:
@@ -72,10 +84,10 @@ def download(torch_version: str, triton_version: str, into: Path) -> list[Path]:
     return sorted(into.glob("*.whl"))
 
 
-def pack(wheels: list[Path], torch_version: str, out: Path, piece_bytes: int) -> dict:
+def pack(wheels: list[Path], bundle: str, out: Path, piece_bytes: int) -> dict:
     """Unpack the wheels, compress them into one archive, split it; write and return the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob(f"torch{torch_version}.part*"):
+    for old in out.glob(f"{bundle}.part*"):
         old.unlink()
     with tempfile.TemporaryDirectory(dir=out) as work:
         site = Path(work) / "site"
@@ -91,31 +103,36 @@ def pack(wheels: list[Path], torch_version: str, out: Path, piece_bytes: int) ->
         pieces = []
         with open(archive_path, "rb") as f:
             for index, block in enumerate(iter(lambda: f.read(piece_bytes), b"")):
-                piece = out / f"torch{torch_version}.part{index:02d}"
+                piece = out / f"{bundle}.part{index:02d}"
                 piece.write_bytes(block)
                 pieces.append({"name": piece.name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
-        manifest = {"torch": torch_version, "wheels": [w.name for w in wheels], "archive_sha256": sha256(archive_path),
+        manifest = {"bundle": bundle, "wheels": [w.name for w in wheels], "archive_sha256": sha256(archive_path),
                     "archive_bytes": archive_path.stat().st_size, "pieces": pieces}
-    manifest_path(out, torch_version).write_text(json.dumps(manifest, indent=1) + "\n")
+    manifest_path(out, bundle).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
 def receive(piece: Path, stash: Path) -> list[str]:
     """Copy one carried piece into the stash after checking it; return the pieces still missing."""
-    torch_version = piece.name.split(".part")[0].removeprefix("torch")
-    manifest = read_manifest(manifest_path(piece.parent, torch_version))
+    bundle = bundle_of(piece)
+    manifest = read_manifest(manifest_path(piece.parent, bundle))
     expected = {p["name"]: p for p in manifest["pieces"]}
     if piece.name not in expected:
-        raise Refused(f"{piece.name} is not a piece of torch {manifest['torch']}'s manifest; pack again")
+        raise Refused(f"{piece.name} is not a piece of {bundle_name(manifest)}'s manifest; pack again")
     if not piece.is_file():
         raise Refused(f"{piece} was not carried; name it in the call's carry")
     if sha256(piece) != expected[piece.name]["sha256"]:
         raise Refused(f"{piece} differs from the manifest's SHA-256; carry it again")
-    folder = stash / f"torch{torch_version}"
+    folder = stash / bundle
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(manifest_path(piece.parent, torch_version), folder / "manifest.json")
+    shutil.copyfile(manifest_path(piece.parent, bundle), folder / "manifest.json")
     shutil.copyfile(piece, folder / piece.name)
     return missing(folder, manifest)
+
+
+def bundle_name(manifest: dict) -> str:
+    # manifests packed before bundles had names carry only the torch release
+    return manifest.get("bundle") or f"torch{manifest['torch']}"
 
 
 def missing(folder: Path, manifest: dict) -> list[str]:
@@ -132,18 +149,17 @@ def system_nvidia() -> Path | None:
     return None
 
 
-def install(torch_version: str, stash: Path) -> Path:
-    """Join the stashed pieces, check the archive, unpack it; return the folder to put first on
-    PYTHONPATH."""
-    folder = stash / f"torch{torch_version}"
+def unpack_bundle(folder: Path, into: Path) -> None:
+    """Join one bundle's stashed pieces, check the archive and unpack its ``site`` into ``into``."""
     manifest = read_manifest(folder / "manifest.json")
+    name = bundle_name(manifest)
     lacking = missing(folder, manifest)
     if lacking:
-        raise Refused(f"torch {torch_version}: {len(lacking)} of {len(manifest['pieces'])} pieces not received "
+        raise Refused(f"{pretty(name)}: {len(lacking)} of {len(manifest['pieces'])} pieces not received "
                       f"({', '.join(lacking)}); carry each with python tools/device_torch.py receive PIECE")
-    site = folder / "site"
-    if (site / "torch").is_dir():
-        return site
+    done = into / "site" / f".unpacked-{name}"
+    if done.exists():
+        return
     joined = folder / "site.tar.xz"
     with open(joined, "wb") as out:
         for piece in manifest["pieces"]:
@@ -151,13 +167,40 @@ def install(torch_version: str, stash: Path) -> Path:
                 shutil.copyfileobj(f, out)
     if sha256(joined) != manifest["archive_sha256"]:
         joined.unlink()
-        raise Refused(f"torch {torch_version}: the joined pieces differ from the packed archive; receive them again")
+        raise Refused(f"{pretty(name)}: the joined pieces differ from the packed archive; receive them again")
     with tarfile.open(joined) as tar:
-        tar.extractall(folder, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(folder)
+        tar.extractall(into, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(into)
     joined.unlink()
-    nvidia = system_nvidia()
-    if nvidia is not None and not (site / "nvidia").exists():
-        (site / "nvidia").symlink_to(nvidia, target_is_directory=True)
+    done.touch()
+
+
+def pretty(bundle: str) -> str:
+    return f"torch {bundle.removeprefix('torch')}" if bundle.startswith("torch") else bundle
+
+
+def link_machine_libraries(site: Path, nvidia: Path | None) -> None:
+    """``site/nvidia``: the libraries that travelled, and links to the machine's own for the rest."""
+    if nvidia is None:
+        return
+    ours = site / "nvidia"
+    if ours.is_symlink():  # an install before any library travelled linked the whole folder
+        ours.unlink()
+    ours.mkdir(exist_ok=True)
+    for entry in nvidia.iterdir():
+        if not (ours / entry.name).exists() and not (ours / entry.name).is_symlink():
+            (ours / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+
+
+def install(torch_version: str, stash: Path, extras: tuple[str, ...] = ()) -> Path:
+    """Join, check and unpack the torch bundle and each extra bundle into one folder; return the
+    folder to put first on PYTHONPATH."""
+    folder = stash / f"torch{torch_version}"
+    for bundle in (f"torch{torch_version}", *extras):
+        if not (stash / bundle / "manifest.json").is_file() and bundle in extras:
+            raise Refused(f"{bundle}: no piece received; carry each with python tools/device_torch.py receive PIECE")
+        unpack_bundle(stash / bundle, folder)
+    site = folder / "site"
+    link_machine_libraries(site, system_nvidia())
     return site
 
 
@@ -165,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="here: wheels -> one xz archive -> pieces and a manifest")
-    p.add_argument("--torch", required=True, help="torch release, e.g. 2.14.1")
+    name = p.add_mutually_exclusive_group(required=True)
+    name.add_argument("--torch", help="torch release, e.g. 2.14.1 (the bundle torch<release>)")
+    name.add_argument("--name", help="another bundle, e.g. nccl2.30.7, of the wheels in --wheels")
     p.add_argument("--triton", help="the triton release that torch requires (with --download)")
     p.add_argument("--wheels", type=Path, help="a folder holding the wheels already (else they are downloaded)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the pieces go (git-ignored)")
@@ -175,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--stash", type=Path, default=DEFAULT_STASH)
     i = sub.add_parser("install", help="there: join, check and unpack the stashed pieces; prints export PYTHONPATH=...")
     i.add_argument("--torch", required=True)
+    i.add_argument("--with", dest="extras", action="append", default=[], metavar="BUNDLE",
+                   help="a bundle received beside torch (e.g. nccl2.30.7), unpacked into the same folder")
     i.add_argument("--stash", type=Path, default=DEFAULT_STASH)
     args = parser.parse_args(argv)
     try:
@@ -183,18 +230,21 @@ def main(argv: list[str] | None = None) -> int:
                 wheels = sorted(args.wheels.glob("*.whl"))
                 if not wheels:
                     raise Refused(f"--wheels {args.wheels} holds no .whl file")
+            elif args.torch is None:
+                raise Refused("--name takes its wheels from --wheels DIR")
             elif args.triton is None:
                 raise Refused("pass --triton (the release torch requires) to download, or --wheels DIR")
             else:
                 wheels = download(args.torch, args.triton, args.out / "wheels")
-            manifest = pack(wheels, args.torch, args.out, args.piece_bytes)
+            bundle = args.name or f"torch{args.torch}"
+            manifest = pack(wheels, bundle, args.out, args.piece_bytes)
             print(f"{len(manifest['pieces'])} pieces, {manifest['archive_bytes'] >> 20} MiB in all, in {args.out}/; "
-                  f"carry each with {manifest_path(args.out, args.torch)}")
+                  f"carry each with {manifest_path(args.out, bundle)}")
         elif args.command == "receive":
             left = receive(args.piece, args.stash)
             print(f"stashed {args.piece.name}; " + (f"{len(left)} to come" if left else "all pieces here: install"))
         else:
-            site = install(args.torch, args.stash)
+            site = install(args.torch, args.stash, tuple(args.extras))
             print(f"export PYTHONPATH={site}{os.pathsep}${{PYTHONPATH:-}}")
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)

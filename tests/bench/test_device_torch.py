@@ -81,3 +81,43 @@ def test_a_corrupt_piece_is_refused_before_it_is_stashed(packed, tmp_path, capsy
 def test_pack_without_wheels_or_triton_says_what_to_pass(tmp_path, capsys):
     assert device_torch.main(["pack", "--torch", "9.9.9", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: pass --triton (the release torch requires) to download, or --wheels DIR\n"
+
+
+def test_a_library_bundle_joins_torch_and_the_machine_supplies_the_other_libraries(packed, tmp_path, monkeypatch,
+                                                                                  capsys):
+    out, manifest = packed
+    wheels = tmp_path / "nccl-wheels"
+    wheels.mkdir()
+    wheel(wheels, "nvidia_nccl-9.9-py3-none-linux.whl", {"nvidia/nccl/lib/libnccl.so.2": "new nccl"})
+    assert device_torch.main(["pack", "--name", "nccl9.9", "--wheels", str(wheels), "--out", str(out),
+                              "--piece-bytes", "1000"]) == 0
+    machine = tmp_path / "machine" / "nvidia"
+    for name, text in {"nccl": "old nccl", "cudnn": "machine cudnn"}.items():
+        (machine / name / "lib").mkdir(parents=True)
+        (machine / name / "lib" / "lib.so").write_text(text)
+    monkeypatch.setattr(device_torch, "system_nvidia", lambda: machine)
+    stash = tmp_path / "stash"
+    for piece in sorted(out.glob("*.part*")):
+        assert device_torch.main(["receive", str(piece), "--stash", str(stash)]) == 0
+    assert device_torch.main(["install", "--torch", "9.9.9", "--with", "nccl9.9", "--stash", str(stash)]) == 0
+    nvidia = stash / "torch9.9.9" / "site" / "nvidia"
+    assert (nvidia / "nccl" / "lib" / "libnccl.so.2").read_text() == "new nccl"
+    assert not (nvidia / "nccl" / "lib" / "lib.so").exists()
+    assert (nvidia / "cudnn").resolve() == (machine / "cudnn").resolve()
+    assert (nvidia / "cudnn" / "lib" / "lib.so").read_text() == "machine cudnn"
+    assert (stash / "torch9.9.9" / "site" / "torch" / "lib" / "blob.bin").read_bytes() == BLOB
+    # a second install (the next call on a warm machine) unpacks nothing again and says the same
+    capsys.readouterr()
+    assert device_torch.main(["install", "--torch", "9.9.9", "--with", "nccl9.9", "--stash", str(stash)]) == 0
+    assert capsys.readouterr().out.startswith(f"export PYTHONPATH={nvidia.parent}:")
+
+
+def test_a_named_bundle_never_received_is_one_line(packed, tmp_path, capsys):
+    out, manifest = packed
+    stash = tmp_path / "stash"
+    for piece in manifest["pieces"]:
+        device_torch.main(["receive", str(out / piece["name"]), "--stash", str(stash)])
+    capsys.readouterr()
+    assert device_torch.main(["install", "--torch", "9.9.9", "--with", "nccl9.9", "--stash", str(stash)]) == 2
+    assert capsys.readouterr().err == ("error: nccl9.9: no piece received; carry each with "
+                                       "python tools/device_torch.py receive PIECE\n")

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The project's GPU evidence for the torch that `python3` imports (after tools/device_torch.py
+# install, the release it put first on PYTHONPATH), in parts that each fit a 10-minute call:
+#
+#   tools/gpu_evidence.sh check      # torch, CUDA, a compiled step; python -m threadgraph doctor --selftest
+#   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow"), then the gpu-scenarios results file
+#   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
+#   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
+#   tools/gpu_evidence.sh fence      # the fence matrix
+#   tools/gpu_evidence.sh throughput # one DFlash throughput cell: 0.6b shape, Trees
+#   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
+#
+# The correctness parts (suite, slow, conformance, fence) may run at once (`A & B & wait`): they
+# pass under load; the timed parts (throughput, startup) run alone.
+# Results files go to benchmarks/results (named by theme, machine, torch and date); logs to
+# $EVIDENCE_LOGS (default ./gpu-evidence-logs). With $OUT set, each part leaves one archive there
+# holding its logs and the results files it wrote. The embedded default assets are built once
+# into $THREADGRAPH_CACHE (default /root/tgcache) and reused by later parts on the same machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+parts="check, suite, slow, conformance, fence, throughput or startup"
+part=${1:?"name a part: $parts"}
+logs=${EVIDENCE_LOGS:-$PWD/gpu-evidence-logs}/$part
+mkdir -p "$logs"
+export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-/root/tgcache}
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+stamp=$(mktemp)  # results files newer than this are this part's
+status=0
+step() {  # step NAME COMMAND...: run, log, remember a failure, go on
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$logs/steps.txt"
+  local t0=$SECONDS
+  "$@" >"$logs/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$logs/steps.txt"
+  tail -n 15 "$logs/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+case "$part" in
+  check)
+    step versions python3 -c 'import torch, triton, sys; print(sys.version.split()[0], "torch", torch.__version__, "from", torch.__file__, "triton", triton.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version(), "gpu", torch.cuda.get_device_name(0))'
+    step compiled-step python3 -c '
+import torch
+m = torch.nn.Linear(64, 64).cuda()
+f = torch.compile(m, mode="reduce-overhead")
+x = torch.randn(8, 64, device="cuda")
+for _ in range(3):
+    y = f(x)
+torch.cuda.synchronize()
+assert torch.allclose(y, m(x), atol=1e-5), "compiled output differs from eager"
+print("reduce-overhead replay matches eager")'
+    step selftest python3 -m threadgraph doctor --selftest
+    ;;
+  suite)
+    export THREADGRAPH_GPU_LOG="$logs/records"
+    mkdir -p "$THREADGRAPH_GPU_LOG"
+    step gpu-tests python3 -m pytest -q -m "gpu and not slow" -n 4 --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests
+    step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label suite
+    ;;
+  slow)
+    step gpu-slow-tests python3 -m pytest -q -m "gpu and slow" -n 4 tests
+    ;;
+  conformance)
+    step conformance python3 -m tests.conformance --jobs 4 --write benchmarks/results
+    ;;
+  fence)
+    step fence-matrix python3 -m benchmarks fence-matrix
+    ;;
+  throughput)
+    step dflash-throughput python3 -m benchmarks dflash-throughput --target-shape 0.6b --cuda-graphs trees
+    ;;
+  startup)
+    step trainer-startup python3 -m benchmarks trainer-startup --no-restart
+    ;;
+  *)
+    echo "error: unknown part '$part'; name one of $parts" >&2
+    exit 2
+    ;;
+esac
+
+if [ -n "${OUT:-}" ]; then
+  find benchmarks/results -newer "$stamp" -type f >"$logs/results-written.txt"
+  tar -czf "$OUT/evidence-$part.tar.gz" "$logs" $(cat "$logs/results-written.txt")
+fi
+rm -f "$stamp"
+exit $status
