@@ -84,6 +84,17 @@ def download(torch_version: str, triton_version: str, into: Path) -> list[Path]:
     return sorted(into.glob("*.whl"))
 
 
+def extract_wheel(wheel: Path, into: Path) -> None:
+    """Unpack a wheel keeping each file's mode: zipfile drops it, and triton's ``ptxas`` must stay
+    executable (Inductor runs it)."""
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            path = Path(archive.extract(info, into))
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                path.chmod(mode)
+
+
 def pack(wheels: list[Path], bundle: str, out: Path, piece_bytes: int) -> dict:
     """Unpack the wheels, compress them into one archive, split it; write and return the manifest."""
     out.mkdir(parents=True, exist_ok=True)
@@ -93,8 +104,7 @@ def pack(wheels: list[Path], bundle: str, out: Path, piece_bytes: int) -> dict:
         site = Path(work) / "site"
         for wheel in wheels:
             print(f"unpacking {wheel.name}", flush=True)
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(site)
+            extract_wheel(wheel, site)
         archive_path = Path(work) / "site.tar.xz"
         print(f"compressing {sum(f.stat().st_size for f in site.rglob('*') if f.is_file()) >> 20} MiB "
               f"(xz, minutes)", flush=True)

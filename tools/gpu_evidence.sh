@@ -40,7 +40,7 @@ step() {  # step NAME COMMAND...: run, log, remember a failure, go on
 
 case "$part" in
   check)
-    step versions python3 -c 'import torch, triton, sys; print(sys.version.split()[0], "torch", torch.__version__, "from", torch.__file__, "triton", triton.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version(), "gpu", torch.cuda.get_device_name(0))'
+    step versions python3 -c 'import torch, triton, sys; print(sys.version.split()[0], "torch", torch.__version__, "from", torch.__file__, "triton", triton.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpu", torch.cuda.get_device_name(0))'
     step compiled-step python3 -c '
 import torch
 m = torch.nn.Linear(64, 64).cuda()

@@ -17,11 +17,13 @@ spec.loader.exec_module(device_torch)
 BLOB = random.Random(0).randbytes(20000)  # incompressible: xz leaves several pieces
 
 
-def wheel(folder: Path, name: str, files: dict) -> Path:
+def wheel(folder: Path, name: str, files: dict, executable: tuple = ()) -> Path:
     path = folder / name
     with zipfile.ZipFile(path, "w") as archive:
         for member, text in files.items():
-            archive.writestr(member, text)
+            info = zipfile.ZipInfo(member)
+            info.external_attr = (0o755 if member in executable else 0o644) << 16
+            archive.writestr(info, text)
     return path
 
 
@@ -31,7 +33,9 @@ def packed(tmp_path):
     wheels.mkdir()
     wheel(wheels, "torch-9.9.9-cp312-cp312-linux.whl", {"torch/__init__.py": "__version__ = '9.9.9'\n" + "#" * 5000,
                                                        "torch/lib/blob.bin": BLOB})
-    wheel(wheels, "triton-9.0-cp312-cp312-linux.whl", {"triton/__init__.py": "ok = True\n"})
+    wheel(wheels, "triton-9.0-cp312-cp312-linux.whl", {"triton/__init__.py": "ok = True\n",
+                                                      "triton/backends/nvidia/bin/ptxas": "#!/bin/sh\n"},
+          executable=("triton/backends/nvidia/bin/ptxas",))
     out = tmp_path / "out"
     assert device_torch.main(["pack", "--torch", "9.9.9", "--wheels", str(wheels), "--out", str(out),
                               "--piece-bytes", "1000"]) == 0
@@ -52,6 +56,9 @@ def test_pieces_received_in_any_order_install_the_wheels_contents(packed, tmp_pa
     assert (site / "torch" / "__init__.py").read_text().startswith("__version__ = '9.9.9'")
     assert (site / "torch" / "lib" / "blob.bin").read_bytes() == BLOB
     assert (site / "triton" / "__init__.py").read_text() == "ok = True\n"
+    # a wheel's executables stay executable (Inductor runs triton's ptxas)
+    assert (site / "triton" / "backends" / "nvidia" / "bin" / "ptxas").stat().st_mode & 0o111
+    assert not (site / "triton" / "__init__.py").stat().st_mode & 0o111
 
 
 def test_a_missing_piece_is_named_and_install_exits_2(packed, tmp_path, capsys):
