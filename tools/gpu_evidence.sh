@@ -16,6 +16,8 @@
 # $EVIDENCE_LOGS (default ./gpu-evidence-logs). With $OUT set, each part leaves one archive there
 # holding its logs and the results files it wrote. The embedded default assets are built once
 # into $THREADGRAPH_CACHE (default /root/tgcache) and reused by later parts on the same machine.
+# $EVIDENCE_STEP_TIMEOUT (seconds) interrupts a step that runs longer (SIGINT, so pytest still
+# prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts="check, suite, slow, conformance, fence, throughput or startup"
@@ -31,7 +33,7 @@ step() {  # step NAME COMMAND...: run, log, remember a failure, go on
   local name=$1; shift
   echo "== $name: $*" | tee -a "$logs/steps.txt"
   local t0=$SECONDS
-  "$@" >"$logs/$name.log" 2>&1
+  timeout --signal=INT --kill-after=30 "${EVIDENCE_STEP_TIMEOUT:-0}" "$@" >"$logs/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$logs/steps.txt"
   tail -n 15 "$logs/$name.log"
