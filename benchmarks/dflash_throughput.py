@@ -12,8 +12,9 @@ capture and is left out of the steady figure.
 
 sequential: one thread does what early SpecForge did: for each batch, the target forward, then
 the drafter step (forward, backward, clip, AdamW), on the same devices (one replica per device,
-stepped in turn; replicas do not average gradients, which only favours this baseline). It steps
-the trainer's own components (``examples.dflash_trainer.pipeline``: target stages, drafter
+stepped in turn; replicas do not average gradients, which only favours this baseline). It calls
+the step functions the worker threads call (``TargetStage.step``, ``DrafterReplica.train_step``)
+on the trainer's own components (``examples.dflash_trainer.pipeline``: target stages, drafter
 replicas, the batches with their anchors, the execution policy and the learning-rate schedule),
 so both pipelines see the same data order, anchors, sizes and compilation (reduce-overhead on
 GPU, with CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on
@@ -131,23 +132,22 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     wall = common.StepTimer(devices[0])
     busy, host_ms, startup_s, first_round_s = common.BusyProbe(), [], None, None
 
+    # The timers' spans, by the phases the step functions mark: the target's forward; the drafter's step.
+    timing = {"prepare": [fwd_timer.start], "forward": [fwd_timer.stop, step_timer.start],
+              "optimizer": [step_timer.stop]}
+
+    def timed_mark(phase):
+        for call in timing.get(phase, ()):
+            call()
+
     def one_batch(r, i, stage, replica, timed):
         b = r * len(replicas) + i
         if stage.device.type == "cuda":
             torch.cuda.set_device(stage.device)
-        index, *host = batches[b % cfg.targets].next()
+        # The very step functions the trainer's worker threads call (workers.py).
+        index, batch = stage.step(batches[b % cfg.targets], mark=timed_mark if timed else None)
         assert index == b, (index, b)
-        inputs = stage.to_device(*host)
-        if timed:
-            fwd_timer.start()
-        batch = stage.forward(*inputs)
-        if timed:
-            fwd_timer.stop()
-            step_timer.start()
-        replica.forward_backward(batch)
-        replica.update()
-        if timed:
-            step_timer.stop()
+        replica.train_step(batch, mark=timed_mark if timed else None)
 
     for r in range(rounds):
         if r == 1:
@@ -197,6 +197,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "devices": parts.devices,
         "mode": parts.policy.mode,
         "loss_last": float(replicas[0][1].history[-1, 0]),
+        "losses": replicas[0][1].history[:, 0].tolist(),  # replica 0's, a step each
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
         "drafter_step_p50_ms": common.p50(step_timer.ms),
         "drafter_step_p90_ms": common.p90(step_timer.ms),

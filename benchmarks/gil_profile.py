@@ -11,9 +11,10 @@ compilation and capture), runs two py-spy recordings of itself for ``--seconds``
   and the frames they fall in are what the interpreter is busy with;
 - ``--idle``: every thread, so each stage's share of a thread's wall time, waiting included.
 
-Samples are keyed by what a worker's ``step`` was calling (a component's method: a stage's
-``forward``, the hand-off's ``put``/``get``, the replica's ``forward_backward`` or ``update``, the
-averager's ``average``). One that takes much wall time but little GIL time waits: for peers, for
+Samples are keyed by what a worker's ``step`` was calling, through the trainer's step functions
+(``TargetStage.step``, ``DrafterReplica.train_step``): a component's method (a stage's ``forward``,
+the hand-off's ``put``/``get``, the replica's ``forward_backward`` or ``update``, the averager's
+``average``). One that takes much wall time but little GIL time waits: for peers, for
 the device, or for the GIL. Needs py-spy (``pip install py-spy``)
 and permission to read this process's memory (ptrace); it asks Linux for that itself.
 """
@@ -42,15 +43,29 @@ def _function(frame: str) -> str:
     return match["func"] if match else frame
 
 
+# The trainer's step functions between a worker's step() and the components' methods it is keyed by
+# (TargetStage.step, DrafterReplica.train_step); py-spy may or may not prefix the class.
+STEP_FUNCTIONS = ("step", "train_step")
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
 def step_stage(frames: list[str]) -> str:
-    """The function a worker's step() had called when sampled (a component's method: the target
-    stage's forward, the hand-off, the replica's forward_backward, ...), else where it was."""
+    """The function a worker's step() had called, through the step functions, when sampled (a
+    component's method: the target stage's forward, the hand-off, the replica's forward_backward,
+    ...), else where it was."""
     names = [_function(f) for f in frames]
     # The worker's step is the outermost step(): the optimizer's and the scheduler's are inside it.
-    at = next((i for i, name in enumerate(names) if name.rsplit(".", 1)[-1] == "step"), None)
+    at = next((i for i, name in enumerate(names) if _short(name) == "step"), None)
     if at is None:
         return f"(outside step) {names[-1] if names else '?'}"
-    return names[at + 1] if at + 1 < len(names) else "(step itself)"
+    at += 1
+    # A sample in a step function's own code (nothing called below it) is keyed by that function.
+    while at + 1 < len(names) and _short(names[at]) in STEP_FUNCTIONS:
+        at += 1
+    return names[at] if at < len(names) else "(step itself)"
 
 
 def summarise(gil: list, wall: list) -> dict:

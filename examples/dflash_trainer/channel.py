@@ -23,6 +23,12 @@ Lifecycle: ``close()`` is a graceful end (puts fail, gets drain what is queued a
 then fail); ``fail(exc)`` is an abort (queued items are dropped and every blocked
 or later put/get raises at once), so one failing worker never leaves others
 blocked forever.
+
+Not built on threadgraph's GroupQueue (``WorkerGroup.queue()``): a stopped GroupQueue keeps its
+queued batches, and so their device memory, and wakes its waiters with a bare GroupStopped,
+whereas ``fail`` drops the batches at once and hands the failing worker's error on
+(``ChannelFailed.error``), and a GroupQueue exists only once its group does, while the hand-off
+is built first, to be passed to the workers the group is made of.
 """
 
 from __future__ import annotations

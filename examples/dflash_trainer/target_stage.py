@@ -1,11 +1,18 @@
 """A target stage: the frozen target on one device (shared with the other components there), and
 its step for a batch (the features the drafter reads, and the batch's anchors), compiled or
-captured as the execution policy says."""
+captured as the execution policy says.
+
+``step`` is the whole of one batch's target work; the target worker thread and the benchmark's
+sequential loop both call it, so the two cannot drift apart.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 
+from .data import ShardBatches
 from .policy import ExecutionPolicy
 from .drafter.step import make_target_step
 from .target import TargetModel
@@ -16,6 +23,19 @@ class TargetStage:
         self.device = target.device
         self.target = target
         self._step = policy.graph(policy.compile(make_target_step(self.target.features, num_anchors)))
+
+    def step(self, batches: ShardBatches,
+             mark: Optional[Callable[[str], Any]] = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """(b, the hand-off item of b) for the next batch b of ``batches``: its host data and anchor
+        draws, then ``forward`` on the device. ``mark(phase)`` is called after "prepare" and "forward"."""
+        b, *host = batches.next()
+        inputs = self.to_device(*host)
+        if mark is not None:
+            mark("prepare")
+        item = self.forward(*inputs)
+        if mark is not None:
+            mark("forward")
+        return b, item
 
     def to_device(self, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t.to(self.device, non_blocking=True) for t in host)

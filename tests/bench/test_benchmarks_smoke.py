@@ -274,6 +274,15 @@ def test_gil_profile_keys_samples_by_what_the_worker_step_called():
     assert gil_profile.step_stage(outer + ["DrafterReplica.update (/r/replica.py:60)", "step (/t/adamw.py:9)"]) \
         == "DrafterReplica.update"
     assert gil_profile.step_stage(outer[:3] + ["step (workers.py:41)", "forward (target_stage.py:28)"]) == "forward"
+    # Through the trainer's step functions, to the component's method they called.
+    train_step = "DrafterReplica.train_step (/r/replica.py:70)"
+    update = ["DrafterReplica.update (/r/replica.py:60)", "step (/t/adamw.py:9)"]
+    assert gil_profile.step_stage(outer + [train_step] + update) == "DrafterReplica.update"
+    assert gil_profile.step_stage(outer + [train_step, "GradientAverager.average (/r/routing.py:99)"]) \
+        == "GradientAverager.average"
+    assert gil_profile.step_stage(outer + [train_step]) == "DrafterReplica.train_step"
+    assert gil_profile.step_stage(outer[:3] + ["step (workers.py:45)", "step (target_stage.py:30)",
+                                               "forward (target_stage.py:44)"]) == "forward"
     assert gil_profile.step_stage(outer) == "(step itself)"
     assert gil_profile.step_stage(outer[:3]) == "(outside step) _loop"
 

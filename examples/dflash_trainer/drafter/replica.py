@@ -5,12 +5,13 @@ device-only calls per step: ``forward_backward(batch)`` fills the gradients (and
 metrics), ``update()`` clips, steps AdamW and the schedule, and writes the step's row of
 ``history``. Between the two the caller averages ``grads`` over the replicas
 (routing.GradientAverager); the execution policy decides whether each call is eager, CUDAGraph
-Trees or one captured CUDA graph.
+Trees or one captured CUDA graph. ``train_step`` is those three in order, the one step that the
+drafter worker thread and the benchmark's sequential loop both call.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,6 +61,22 @@ class DrafterReplica:
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         self._forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+
+    def train_step(self, batch: dict[str, torch.Tensor], *, average: Optional[Callable[[FlatGrads], Any]] = None,
+                   mark: Optional[Callable[[str], Any]] = None) -> None:
+        """One optimizer step on ``batch``: forward-backward, ``average(grads)`` if given (the mean
+        over the replicas, in place), then the update. ``mark(phase)`` is called after
+        "forward_backward", "average" (only with ``average``) and "optimizer"."""
+        self.forward_backward(batch)
+        if mark is not None:
+            mark("forward_backward")
+        if average is not None:
+            average(self.grads)
+            if mark is not None:
+                mark("average")
+        self.update()
+        if mark is not None:
+            mark("optimizer")
 
     def update(self) -> None:
         self._update()
