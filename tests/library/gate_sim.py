@@ -19,14 +19,6 @@ def fresh_gate(prefix: str, timeout: float):
     return gate
 
 
-def until(condition, timeout: float = 30.0) -> None:
-    """Poll ``condition`` until it holds; the timeout only guards against a hang."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.001)
-
-
 class Monitor:
     """Counts who is inside shared work and exclusive sections; records any overlap."""
 

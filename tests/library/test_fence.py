@@ -16,7 +16,7 @@ import threadgraph
 from threadgraph import _fence
 from threadgraph._gate import gate_for, released
 
-from tests.library.gate_sim import until
+from tests.threads import until
 
 # How long a capture holds the gate when the op under test should wait for it: a fenced op that
 # waits passes whatever the machine's speed; the hold is the window in which an op that does not

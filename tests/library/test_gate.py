@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import threadgraph
 from threadgraph._gate import DeviceGate, gate_for, released
 
-from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_gate, until
+from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_gate
+from tests.threads import until
 
 
 def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
