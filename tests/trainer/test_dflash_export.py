@@ -15,19 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.export_fixtures import load_heads, make_checkpoint, make_random_target
+from tests.trainer import tiny_run
 
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.run.checkpoint import WEIGHTS
-from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.export.export import export, main
 from examples.dflash_trainer.export.source import ExportError
 from examples.dflash_trainer.export.zlab import load_zlab_drafter
 from examples.dflash_trainer.train import train
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +34,7 @@ def random_run(tmp_path_factory):
 
 
 def tiny_config(assets, out_dir, **overrides):
-    values = dict(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
-                  block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
-                  max_steps=10, eval_every=0, checkpoint_every=0, out_dir=str(out_dir), lr=3e-3)
-    values.update(overrides)
-    return TrainConfig(**values)
+    return tiny_run.tiny_config(assets, out_dir, **{"max_steps": 10, **overrides})
 
 
 def test_export_load_back_and_continue_training_gives_the_same_losses(tiny_assets, tmp_path):

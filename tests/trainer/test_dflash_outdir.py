@@ -13,24 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.run.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.run.outdir import OutDirError, RunLock
 from examples.dflash_trainer.train import train
 
-import test_dflash_train as train_tests
+from tests.trainer.tiny_run import tiny_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
 def config(assets, out, **overrides):
-    return train_tests.tiny_config(assets, out, **{"max_steps": 2, "checkpoint_every": 2, **overrides})
+    return tiny_config(assets, out, **{"max_steps": 2, "checkpoint_every": 2, **overrides})
 
 
 @pytest.fixture
@@ -131,10 +125,7 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
     monkeypatch.setattr(replica.DrafterReplica, "forward_backward", forward_backward)
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
     out = tmp_path / "run"
-    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "8", "--checkpoint-every", "2",
-            "--out-dir", str(out)]
+    args = tiny_cli(tiny_assets, out, "--max-steps", "8", "--checkpoint-every", "2")
     assert cli.main(args) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == (f"error: drafter-1 failed: RuntimeError: injected failure; the last checkpoint is "
@@ -177,9 +168,7 @@ SLOW_SETUP = textwrap.dedent("""
 
 def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, tmp_path):
     out = tmp_path / "run"
-    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "2", "--out-dir", str(out)]
+    args = tiny_cli(tiny_assets, out, "--max-steps", "2")
     loading = tmp_path / "loading"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SETUP, str(loading), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

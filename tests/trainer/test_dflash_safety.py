@@ -17,33 +17,22 @@ from pathlib import Path
 import pytest
 
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.run.checkpoint import CheckpointError, ResumeMismatch, RunFinished
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.run.outdir import OutDirError
 from examples.dflash_trainer.train import train
 
-import test_dflash_train as train_tests
+from tests.trainer import tiny_run
+from tests.trainer.tiny_run import tiny_cli as cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
 def tiny_config(assets, out_dir, **overrides):
     """The trainer tests' tiny config, with this file's run length and checkpoints at steps 2 and 4."""
-    return train_tests.tiny_config(assets, out_dir, **{"max_steps": STEPS, "checkpoint_every": 2, **overrides})
-
-
-def cli_args(assets, out_dir, *extra):
-    return ["--target", str(assets.target_dir), "--data", str(assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--lr", "3e-3", "--out-dir", str(out_dir), *extra]
+    return tiny_run.tiny_config(assets, out_dir, **{"max_steps": STEPS, "checkpoint_every": 2, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import torch
 
 from examples.dflash_trainer.assets import assets as assets_module
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.assets import shapes as shapes_module
 from examples.dflash_trainer.assets.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
 from examples.dflash_trainer.train import train
+from tests.trainer.tiny_run import TINY
 
 VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
 # The model cards' non-embedding parameter counts (Qwen/Qwen3-*), and their config.json values.
@@ -53,15 +53,8 @@ def test_unknown_shape_and_shape_with_target_are_clear_errors(tmp_path, capsys, 
     assert "--target-shape and --target are mutually exclusive" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
 def _config(out_dir, **overrides):
-    values = dict(devices="cpu", seq_len=64, block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1,
-                  num_target_layers_used=1, max_steps=2, eval_every=0, checkpoint_every=0, out_dir=str(out_dir))
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig(**{**TINY, "max_steps": 2, "out_dir": str(out_dir), **overrides})
 
 
 def test_a_built_shape_is_cached_seeded_and_trains_through_the_target_path(tiny_assets, tmp_path):

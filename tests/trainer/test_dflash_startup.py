@@ -13,7 +13,7 @@ from examples.dflash_trainer.run.startup import StartupMonitor, describe, snapsh
 from examples.dflash_trainer.target import TargetSource
 from examples.dflash_trainer.train import train
 from tests.threads import until
-from tests.trainer.test_dflash_train import tiny_assets, tiny_config  # noqa: F401, F811  (tiny_assets is a fixture)
+from tests.trainer.tiny_run import tiny_config
 
 import threadgraph
 from threadgraph import _first_call
