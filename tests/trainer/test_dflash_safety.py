@@ -85,9 +85,17 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_runs_never_mix(tiny_asset
 def test_every_checkpoint_write_is_fsynced_before_its_rename(tiny_assets, tmp_path, monkeypatch):
     from examples.dflash_trainer.run import checkpoint
 
-    events = []
-    real_fsync, real_replace = checkpoint._fsync, os.replace
-    monkeypatch.setattr(checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p).name)), real_fsync(p)))
+    events, opened = [], {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = Path(path).name
+        return fd
+
+    # at the OS calls themselves: whatever helper makes them, the file's fsync precedes its rename
+    monkeypatch.setattr(checkpoint.os, "open", open_)
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd))), real_fsync(fd)))
     monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("rename", Path(b).name)), real_replace(a, b)))
     train(tiny_config(tiny_assets, tmp_path, max_steps=2))
     names = list(events)
