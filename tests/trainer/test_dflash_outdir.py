@@ -77,8 +77,7 @@ def test_a_log_without_a_checkpoint_says_overwrite_not_resume(tiny_assets, tmp_p
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
-    with pytest.raises(OutDirError, match=r"holds the log of a run that saved no checkpoint \(metrics.jsonl\); pass "
-                                          r"--overwrite to start over there"):
+    with pytest.raises(OutDirError, match=r"metrics\.jsonl.*--overwrite"):
         train(config(tiny_assets, out))
 
 
@@ -86,7 +85,7 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_any_step(tiny_assets,
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoints").write_text("not a directory")
-    with pytest.raises(OutDirError, match="checkpoints is a file, but the run saves its checkpoints in a directory"):
+    with pytest.raises(OutDirError, match="checkpoints"):
         train(config(tiny_assets, out))
     assert not (out / "metrics.jsonl").exists()
 
@@ -145,8 +144,7 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_as
         * sizes.CHECKPOINT_BYTES
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 9 * one, one // 2))
-    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about [\d.]+ [KMG]iB but the disk of "
-                                             r"--out-dir .* has [\d.]+ [KMG]iB free; free some space or pass an --out-dir"):
+    with pytest.raises(sizes.TooLarge, match=r"[\d.]+ [KMG]iB.*--out-dir.*[\d.]+ [KMG]iB"):
         train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))

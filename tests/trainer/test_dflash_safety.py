@@ -113,7 +113,7 @@ def test_resume_with_another_worker_topology_is_refused(tiny_assets, run_copy):
 def test_a_state_file_copied_from_another_step_is_refused(tiny_assets, run_copy):
     ckpt = run_copy / "checkpoints"
     shutil.copy(ckpt / "step_00000004" / "state.pt", ckpt / "step_00000002" / "state.pt")
-    with pytest.raises(CheckpointError, match=r"step_00000002/state\.pt is corrupt.*nearest good checkpoint is .*step_00000004"):
+    with pytest.raises(CheckpointError, match=r"step_00000002/state\.pt.*step_00000004"):
         train(tiny_config(tiny_assets, resumable(run_copy), resume=True))
 
 
@@ -122,8 +122,7 @@ def test_finite_garbage_in_the_weights_is_refused_naming_the_nearest_good_checkp
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(64)  # zeros: finite, loadable, wrong
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"step_00000004/model\.safetensors is corrupt.*nearest good checkpoint "
-                                              r"is .*step_00000002"):
+    with pytest.raises(CheckpointError, match=r"step_00000004/model\.safetensors.*step_00000002"):
         train(tiny_config(tiny_assets, run_copy, max_steps=6, resume=True))
 
 
@@ -197,7 +196,7 @@ def test_a_non_finite_loss_right_after_resume_blames_the_checkpoint(tiny_assets,
 
     real = target_module.TargetModel.features
     monkeypatch.setattr(target_module.TargetModel, "features", lambda self, *a, **k: real(self, *a, **k) * float("nan"))
-    with pytest.raises(Exception, match=r"first step after resuming from step 2: that checkpoint's weights are likely bad"):
+    with pytest.raises(Exception, match=r"resuming from step 2"):
         train(tiny_config(tiny_assets, resumable(run_copy), resume=True))
 
 
@@ -212,8 +211,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_worker_starts(tiny_assets
     from examples.dflash_trainer.assets import sizes
 
     monkeypatch.setattr(sizes, "free_bytes", lambda device: 8 * sizes.GiB)  # what this CI machine has, say
-    with pytest.raises(sizes.TooLarge, match=r"needs about \d+\.\d GiB on cpu .* 8\.0 GiB is free; lower --batch-size "
-                                             r"\(now 1000\)"):
+    with pytest.raises(sizes.TooLarge, match=r"\d+\.\d GiB on cpu.* 8\.0 GiB.*--batch-size.*1000"):
         train(tiny_config(tiny_assets, tmp_path, batch_size=1000, seq_len=96, num_anchors=16))
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -283,7 +281,8 @@ def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tm
     monkeypatch.setattr(pipeline.Pipeline, "build", staticmethod(build))
     before = signal.getsignal(signal.SIGTERM)
     assert cli.main(cli_args(tiny_assets, tmp_path, "--max-steps", "2")) == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "SIGTERM" in last and "no checkpoint" in last, last
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are the process's again
 
 

@@ -91,21 +91,20 @@ def test_a_shape_too_large_for_the_cache_disk_is_refused_before_drawing(tiny_ass
     free = type("Usage", (), {"free": 1000})()
     monkeypatch.setattr(shapes_module.shutil, "disk_usage", lambda path: free)
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
-    with pytest.raises(NoRoomToBuild, match=r"target shape tiny: its 0\.0 GiB of weights do not fit on the disk of "
-                                            r".*\(0\.0 GiB free\); point THREADGRAPH_CACHE at a larger disk"):
+    with pytest.raises(NoRoomToBuild, match=r"tiny.*0\.0 GiB.*THREADGRAPH_CACHE"):
         shape_target("tiny", tiny_assets, tmp_path / "cache")
     assert _no_leftovers(tmp_path / "cache")
     monkeypatch.setattr(assets_module, "default_assets", lambda: tiny_assets)
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))
     assert shapes_module.main(["tiny"]) == EXIT_BAD_INPUT
-    assert "error: target shape tiny: its 0.0 GiB of weights do not fit on the disk" in capsys.readouterr().err
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "THREADGRAPH_CACHE" in last, last
 
 
 def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_assets, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(shapes_module, "free_bytes", lambda device: 1000 if device == "cpu" else pytest.fail(device))
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("gave the weights storage"))
-    with pytest.raises(NoRoomToBuild, match=r"target shape tiny: drawing its 0\.0 GiB of weights needs that much free "
-                                            r"memory on cpu \(0\.0 GiB free\)"):
+    with pytest.raises(NoRoomToBuild, match=r"tiny.*0\.0 GiB.* cpu"):
         shape_target("tiny", tiny_assets, tmp_path / "cache", device="cpu")
     assert _no_leftovers(tmp_path / "cache")
 
@@ -117,4 +116,4 @@ def test_a_shape_too_large_for_the_build_device_is_refused_before_drawing(tiny_a
     code = cli.main(["--target-shape", "tiny", "--devices", "cpu", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT, err
-    assert "target shape tiny: drawing its 0.0 GiB of weights needs that much free memory on cpu" in err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "cpu" in err.strip().splitlines()[-1], err
