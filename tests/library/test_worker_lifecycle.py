@@ -74,7 +74,7 @@ def test_a_group_runs_once_and_holds_each_worker_once():
     with pytest.raises(ValueError, match="worker m belongs to another group"):
         group.add(member)
     fresh = WorkerGroup()
-    with pytest.raises(RuntimeError, match="join\\(\\) of a group that was never started; call start\\(\\) first"):
+    with pytest.raises(RuntimeError, match="never started.*start\\(\\)"):
         fresh.join()
     group.start()
     with pytest.raises(RuntimeError, match="the group already started; add worker late before start"):
@@ -137,7 +137,7 @@ def test_a_failing_teardown_keeps_the_step_timings():
 
 @pytest.mark.parametrize("kw", [{"warmup_steps": "3"}, {"max_steps": 2.5}, {"warmup_steps": -1}])
 def test_step_counts_must_be_integers(kw):
-    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0 and max_steps one or None"):
+    with pytest.raises(ValueError, match="warmup_steps.*max_steps"):
         Stepper("w", **kw)
 
 

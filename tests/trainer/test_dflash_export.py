@@ -136,7 +136,7 @@ def test_a_target_moved_away_needs_target_flag(random_run, tmp_path, capsys):
     try:
         assert main(["--checkpoint", str(cfg_state), "--format", "zlab", "--out", str(tmp_path / "a")]) == 2
         err = capsys.readouterr().err
-        assert f"the run trained against target {target}, which is not a model directory here; pass --target DIR" in err
+        assert str(target) in err and "--target" in err, err
         assert main(["--checkpoint", str(cfg_state), "--format", "zlab", "--out", str(tmp_path / "b"),
                      "--target", str(moved)]) == 0
         assert "wrote zlab drafter to" in capsys.readouterr().out
@@ -240,7 +240,7 @@ def test_the_exporter_refuses_non_finite_weights_even_with_a_matching_manifest(r
             drafter.load_state_dict(original)
     assert main(["--checkpoint", str(written), "--format", "zlab", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert f"holds non-finite values (inf or NaN) in {name}" in err and "export an earlier step directory" in err
+    assert name in err and "non-finite" in err, err
 
 
 def test_an_out_that_is_a_file_gets_one_line(random_run, tmp_path, capsys):

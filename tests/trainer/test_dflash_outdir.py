@@ -159,6 +159,7 @@ SLOW_SETUP = textwrap.dedent("""
     def load(self, device):  # a target that takes a minute to load
         pathlib.Path(sys.argv[1]).touch()
         time.sleep(60)
+        pathlib.Path(sys.argv[1] + ".done").touch()  # only if the process waited for the whole load
     target.TargetSource.load = load
     sys.exit(cli.main(sys.argv[2:]))
 """)
@@ -177,11 +178,11 @@ def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, 
     time.sleep(1)  # the main thread waits on the workers by now (a signal while it starts them stops at once)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=50)
-    assert time.monotonic() - sent < 15, "the second signal waited for the minute-long load"
+    _, err = proc.communicate(timeout=120)
+    assert not (tmp_path / "loading.done").exists(), "the second signal waited for the minute-long load"
     assert proc.returncode == 143, err[-3000:]
-    assert "SIGTERM during setup: stopping; the workers finish their current setup call first" in err
-    assert "SIGTERM during setup: stopping without waiting for the workers" in err
-    assert err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
+    during_setup = [line for line in err.splitlines() if "SIGTERM during setup" in line]
+    assert len(during_setup) == 2 and "without waiting" in during_setup[1], err[-3000:]  # the second one forces
+    last = err.strip().splitlines()[-1]
+    assert "SIGTERM" in last and "no checkpoint" in last, last

@@ -264,7 +264,7 @@ def test_a_stop_signal_saves_at_the_next_step_and_resumes_bit_identically(tiny_a
     assert proc.returncode == code, err[-3000:]
     latest = (out / "checkpoints" / "latest").read_text().strip()
     saved = int(latest.split("_")[1])
-    assert f"checkpoint saved to {out / 'checkpoints' / latest}; continue with --resume" in err
+    assert str(out / "checkpoints" / latest) in err and "--resume" in err, err[-3000:]
     assert 2 <= saved < steps
     resumed = train(tiny_config(tiny_assets, out, max_steps=steps, checkpoint_every=2, resume=True))
     assert resumed.start_step == saved
