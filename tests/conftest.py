@@ -25,24 +25,3 @@ def clean_patches():
     threadgraph.uninstall()
     yield
     threadgraph.uninstall()
-
-
-def run_in_thread(fn, *args, timeout=60):
-    """Run ``fn`` in a fresh Python thread; return its result or re-raise its exception."""
-    import threading
-
-    box = {}
-
-    def target():
-        try:
-            box["result"] = fn(*args)
-        except BaseException as exc:  # re-raised below in the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"{fn.__name__} did not finish in {timeout} s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")

@@ -56,6 +56,10 @@ def shim(clean_patches):
     _first_call.forget()
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def _until_waiting(name: str) -> None:
     deadline = time.monotonic() + 60
     while name not in _fx_window.waiting() and time.monotonic() < deadline:
@@ -181,7 +185,8 @@ def test_a_trace_that_outlasts_the_timeout_lets_the_call_go_on_with_a_warning(sh
     with caplog.at_level(logging.WARNING, logger="threadgraph"):
         out, compiled = _call_during_a_trace(fn, x, wait_for_waiter=False)
     assert torch.allclose(out, expected) and compiled == 1
-    assert "waited 0.2 s for an FX trace in tracer to end; going on" in caplog.text
+    # one warning naming the thread it gave up on and how long it waited
+    assert any("tracer" in m and "0.2" in m for m in _warnings(caplog)), caplog.text
 
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["uncompiled-once", "without-it"])
@@ -312,7 +317,7 @@ def test_a_window_a_wait_timed_out_on_is_not_waited_for_again(shim, monkeypatch,
         assert opened.acquire(timeout=60)
         with caplog.at_level(logging.WARNING, logger="threadgraph"):
             assert _fx_window.wait_for_other_traces() is True  # it waited, and the warning says it timed out
-        assert "waited 0.2 s for an FX trace in other to end; going on without waiting for it again" in caplog.text
+        assert any("other" in m and "0.2" in m for m in _warnings(caplog)), caplog.text
         assert _fx_window.wait_for_other_traces() is False  # False: it did not wait (it returns True whenever it does)
         leave.set()
         assert opened.acquire(timeout=60)  # the other thread's next window: a wait waits for it again

@@ -1,6 +1,5 @@
 """The device gate: mutual exclusion of capture and other work, no deadlock, bounded waits."""
 
-import queue
 import threading
 import time
 
@@ -11,69 +10,8 @@ from hypothesis import strategies as st
 import threadgraph
 from threadgraph._gate import DeviceGate, gate_for, released
 
-
-class Monitor:
-    """Counts who is inside shared work and exclusive sections; records any overlap."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.shared = 0
-        self.exclusive = 0
-        self.violations = []
-
-    def enter(self, kind):
-        with self.lock:
-            if kind == "exclusive":
-                self.exclusive += 1
-                if self.shared or self.exclusive > 1:
-                    self.violations.append(("exclusive while", self.shared, self.exclusive))
-            else:
-                self.shared += 1
-                if self.exclusive:
-                    self.violations.append(("work during exclusive", self.shared, self.exclusive))
-
-    def leave(self, kind):
-        with self.lock:
-            if kind == "exclusive":
-                self.exclusive -= 1
-            else:
-                self.shared -= 1
-
-
-class DeviceThread:
-    """Autograd's per-device thread: runs every worker's backward, one after another."""
-
-    def __init__(self, gate, monitor):
-        self.gate, self.monitor = gate, monitor
-        self.jobs = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            captures, compiles, done = job
-            try:
-                if compiles:  # a lazy backward compile: Dynamo's lock, no slots, then its captures
-                    with COMPILE_LOCK:
-                        time.sleep(0.001)
-                for _ in range(captures):  # a capture inside backward takes the gate exclusively
-                    with self.gate.exclusive():
-                        self.monitor.enter("exclusive")
-                        self.monitor.leave("exclusive")
-                done.put(None)
-            except BaseException as exc:
-                done.put(exc)
-
-    def backward(self, captures, compiles=False):
-        done = queue.Queue()
-        self.jobs.put((captures, compiles, done))
-        return done
-
-
-COMPILE_LOCK = threading.RLock()  # stands for Dynamo's process-wide compile_lock
+from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_gate
+from tests.threads import until
 
 
 def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
@@ -115,13 +53,10 @@ programs = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(programs)
 def test_random_interleavings_keep_capture_exclusive_and_finish(programs):
-    gate = DeviceGate("test:0", timeout=30)
-    import threadgraph._gate as gate_module
-
-    gate_module._gates["test:0"] = gate  # so released() sees it
+    gate = fresh_gate("test-random", timeout=30)  # a registered gate, so released() sees it
+    monitor = Monitor()
+    device_thread = DeviceThread(gate, monitor)
     try:
-        monitor = Monitor()
-        device_thread = DeviceThread(gate, monitor)
         peers_ready = threading.Barrier(len(programs))
         results = {}
 
@@ -140,14 +75,13 @@ def test_random_interleavings_keep_capture_exclusive_and_finish(programs):
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), f"deadlock: holders {gate.holders()}"
-        device_thread.jobs.put(None)
         assert monitor.violations == []
         for i, (program, fail_at) in enumerate(programs):
             expected = "failed as planned" if fail_at is not None and fail_at < len(program) else "ok"
             assert results[i] == expected, results[i]
         assert gate.holders() == {"exclusive": None, "shared": [], "exclusive_waiting": 0}
     finally:
-        del gate_module._gates["test:0"]
+        device_thread.close()
 
 
 class _BarrierEvent:
@@ -177,8 +111,8 @@ def test_exclusive_waits_for_shared_and_blocks_new_shared():
 
     t = threading.Thread(target=capturer)
     t.start()
-    assert not got_exclusive.wait(0.2)  # held back by our shared slot
-    assert gate.holders()["exclusive_waiting"] == 1
+    until(lambda: gate.holders()["exclusive_waiting"] == 1)
+    assert not got_exclusive.is_set()  # queued, held back by our shared slot
     late_shared = threading.Thread(target=lambda: (gate.acquire_shared(), order.append("late shared"), gate.release_shared()))
     late_shared.start()
     gate.release_shared()
@@ -243,10 +177,13 @@ def test_release_without_holding_is_an_error():
 
 def test_released_restores_slots_on_every_gate():
     a, b = gate_for("test:a"), gate_for("test:b")
-    with a.shared(), a.shared(), b.shared():
-        with released():
-            assert a.holders()["shared"] == [] and b.holders()["shared"] == []
-        assert a._shared[threading.get_ident()] == 2 and b._shared[threading.get_ident()] == 1
+    me = [threading.current_thread().name]
+    with a.shared(), b.shared():
+        with a.shared():  # two slots of a
+            with released():
+                assert a.holders()["shared"] == [] and b.holders()["shared"] == []
+            assert a.holders()["shared"] == me and b.holders()["shared"] == me
+        assert a.holders()["shared"] == me  # both slots came back: leaving one keeps the other
     assert a.holders()["shared"] == [] and b.holders()["shared"] == []
 
 

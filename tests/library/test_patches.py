@@ -6,7 +6,7 @@ import torch
 import threadgraph
 from threadgraph import _compat
 
-from conftest import run_in_thread
+from tests.threads import run_in_thread
 
 trees = _compat.cudagraph_trees()
 

@@ -1,15 +1,15 @@
 """CPU tests of capture_step: API, error paths, fallback choice. Capture itself is GPU-only
-(tests/library/test_gpu.py); here torch.cuda.graph is replaced by a stand-in that fails like a capture."""
+(tests/library/test_gpu.py); here torch.cuda's functions are stand-ins and the capture fails like a real one."""
 
 import contextlib
 import logging
+import types
 
 import pytest
 import torch
 
 import threadgraph
 from threadgraph import CaptureError, capture_step
-from threadgraph import _wholestep
 
 
 def test_inputs_must_be_tensors():
@@ -30,61 +30,82 @@ def test_bad_arguments(kwargs, match):
         capture_step(lambda: None, **kwargs)
 
 
-class _FakeStream:
-    def wait_stream(self, other):
-        pass
+HOST_SYNC = "CUDA error: operation not permitted when stream is capturing"
 
 
 @pytest.fixture
-def failing_capture(monkeypatch):
-    """A capture that fails the way a host sync inside a capture does on CUDA."""
+def cpu_as_gpu(monkeypatch):
+    """torch.cuda's functions as a GPU machine has them, with streams that do nothing and a capture
+    that fails with ``capture.error`` (by default: a host sync inside it)."""
+    capture = types.SimpleNamespace(error=RuntimeError(HOST_SYNC), began=0)
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
 
     @contextlib.contextmanager
     def graph(*args, **kwargs):
+        capture.began += 1
         yield
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        raise capture.error
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    return capture
 
 
-def _prepared(fn, fallback):
-    step = capture_step(fn, warmup_steps=1, fallback=fallback)
-    step._device = torch.device("cuda", 0)  # as _check_inputs would set on a GPU
-    step._stream = _FakeStream()
-    return step
+def _doubling_step(fallback):
+    """A step without inputs (it closes over its tensor): the only kind a CPU can pass along."""
+    x = torch.ones(2)
+    return capture_step(lambda: x * 2, warmup_steps=1, fallback=fallback)
 
 
-def test_failed_capture_raises_naming_the_likely_cause(failing_capture):
-    calls = []
-    step = _prepared(lambda x: calls.append(x) or x * 2, "raise")
-    with pytest.raises(CaptureError, match=r"(?s)could not be captured.*host synchronisation.*fallback=.uncaptured."):
-        step._capture((torch.ones(2),))
+def test_failed_capture_raises_naming_the_likely_cause_and_the_fallback(cpu_as_gpu):
+    step = _doubling_step("raise")
+    assert torch.equal(step(), torch.full((2,), 2.0))  # the warmup step
+    with pytest.raises(CaptureError) as info:
+        step()
+    assert cpu_as_gpu.began == 1 and info.value.__cause__ is cpu_as_gpu.error
+    assert "host synchronisation" in str(info.value) and "fallback='uncaptured'" in str(info.value)
     assert not step.captured and step.uncaptured_reason is None
 
 
-def test_fallback_uncaptured_logs_warns_and_keeps_running(failing_capture, caplog):
-    step = _prepared(lambda x: x * 2, "uncaptured")
+def test_fallback_uncaptured_logs_warns_and_keeps_running(cpu_as_gpu, caplog):
+    step = _doubling_step("uncaptured")
+    step()
     with caplog.at_level(logging.WARNING, logger="threadgraph"), pytest.warns(threadgraph.ThreadgraphWarning):
-        out = step._capture((torch.ones(2),))
+        out = step()
     assert torch.equal(out, torch.full((2,), 2.0))
-    assert "running it uncaptured" in caplog.text and step.uncaptured_reason
-    # later calls run the function directly, without touching CUDA
-    assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0))
+    assert step.uncaptured_reason and step.uncaptured_reason in caplog.text
+    # later calls run the function directly, without another capture
+    assert torch.equal(step(), torch.full((2,), 2.0)) and cpu_as_gpu.began == 1 and not step.captured
 
 
+def test_an_optimizer_that_is_not_capturable_is_named_with_its_fix(cpu_as_gpu):
+    cpu_as_gpu.error = RuntimeError("optimizer is not capturable")
+    step = _doubling_step("raise")
+    step()
+    with pytest.raises(CaptureError, match="capturable=True"):
+        step()
+
+
+@pytest.mark.gpu
 def test_replay_rejects_a_new_shape():
-    step = capture_step(lambda x: x)
-    step._static_inputs = (torch.zeros(2, 3),)
-    step.graph = object()
-    with pytest.raises(CaptureError, match="fixed input shapes.*Pad inputs"):
-        step._replay((torch.zeros(4, 3),))
-
-
-def test_explain_names_known_causes():
-    assert "capturable=True" in _wholestep._explain(RuntimeError("optimizer is not capturable"))
-    assert _wholestep._explain(ValueError("other")) == "ValueError: other"
+    step = capture_step(lambda x: x * 2, warmup_steps=1)
+    x = torch.ones(2, 3, device="cuda")
+    step(x), step(x)
+    assert step.captured and torch.equal(step(x + 1), torch.full((2, 3), 4.0, device="cuda"))
+    with pytest.raises(CaptureError, match="fixed input shapes"):
+        step(torch.zeros(4, 3, device="cuda"))
 
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach_copy", "per_tensor"])

@@ -74,7 +74,7 @@ def test_a_group_runs_once_and_holds_each_worker_once():
     with pytest.raises(ValueError, match="worker m belongs to another group"):
         group.add(member)
     fresh = WorkerGroup()
-    with pytest.raises(RuntimeError, match="join\\(\\) of a group that was never started; call start\\(\\) first"):
+    with pytest.raises(RuntimeError, match="never started.*start\\(\\)"):
         fresh.join()
     group.start()
     with pytest.raises(RuntimeError, match="the group already started; add worker late before start"):
@@ -87,10 +87,11 @@ def test_a_group_runs_once_and_holds_each_worker_once():
 def test_a_group_stopped_by_another_groups_queue_is_this_workers_failure():
     other = WorkerGroup()
     q = other.queue()
-    worker = Stepper("consumer", lambda w: q.get())
+    in_step = threading.Event()
+    worker = Stepper("consumer", lambda w: (in_step.set(), q.get()))
     worker.start()
-    time.sleep(0.2)
-    q.close()  # the other group stopped
+    assert in_step.wait(20)
+    q.close()  # the other group stopped: a get() before or after this raises GroupStopped
     with pytest.raises(WorkerError, match="consumer.*failed in step: GroupStopped") as info:
         worker.join(20)
     assert isinstance(info.value.__cause__, GroupStopped) and worker.torn_down
@@ -136,7 +137,7 @@ def test_a_failing_teardown_keeps_the_step_timings():
 
 @pytest.mark.parametrize("kw", [{"warmup_steps": "3"}, {"max_steps": 2.5}, {"warmup_steps": -1}])
 def test_step_counts_must_be_integers(kw):
-    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0 and max_steps one or None"):
+    with pytest.raises(ValueError, match="warmup_steps.*max_steps"):
         Stepper("w", **kw)
 
 
@@ -202,11 +203,11 @@ AT_EXIT_MIXED = WORKER + textwrap.dedent("""
 
 
 def test_at_exit_a_worker_blocked_on_its_groups_queue_wakes_and_a_non_daemon_one_finishes():
-    started = time.monotonic()
     proc = _run_to_exit(AT_EXIT_MIXED)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert time.monotonic() - started < 25, "the exit waited out the consumer instead of waking it"
+    # torn down, so woken: a consumer left blocked would be named as not stopping in time instead
     assert "teardown finisher after 200 steps" in proc.stdout and "teardown consumer" in proc.stdout, proc.stdout
+    assert "did not stop" not in proc.stderr, proc.stderr[-3000:]
     assert "exiting with 1 worker(s) running (consumer)" in proc.stderr
 
 

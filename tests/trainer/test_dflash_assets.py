@@ -1,4 +1,5 @@
-"""The embedded default assets, built with BuildSpec.tiny() into a temporary cache."""
+"""The embedded default assets: a real build with BuildSpec.tiny() (the session's tiny_assets), and
+the cache's handling of builds (leftovers, kills, failures, concurrent callers) with a stand-in build."""
 
 import dataclasses
 import json
@@ -16,20 +17,24 @@ class _Killed(BaseException):
     """Stands in for a kill mid-build (a BaseException, like KeyboardInterrupt)."""
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def built(tiny_assets):
+    """(cache root, assets) of the real tiny build; tests read it and never rebuild it."""
+    return tiny_assets.root.parent, tiny_assets
+
+
+def _entries(root):
+    return sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_layout_and_stale_leftovers_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "build", _fake_build([]))
+    a = A.default_assets(tmp_path, spec=SPEC)
+    assert a.root.parent == tmp_path and a.root.name.endswith(A.ASSETS_VERSION)
     # What a SIGKILLed earlier build leaves behind; the next build must remove it.
-    (root / f".{A._dir_name(SPEC)}.tmp-1-deadbeef" / "target").mkdir(parents=True)
-    return root, A.default_assets(root, spec=SPEC)
-
-
-@pytest.mark.timeout(120)
-def test_layout_and_stale_leftovers_removed(built):
-    root, a = built
-    assert a.root == root / A._dir_name(SPEC)
-    assert a.root.name.endswith(A.ASSETS_VERSION)
-    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [a.root.name]
+    (tmp_path / f".{a.root.name}.tmp-1-deadbeef" / "target").mkdir(parents=True)
+    assert A.default_assets(tmp_path, force=True, spec=SPEC) == a
+    assert _entries(tmp_path) == [a.root.name]
 
 
 def test_tokenizer_and_target_reload_offline(built):
@@ -86,32 +91,35 @@ def test_second_call_is_cache_hit(built, monkeypatch):
     assert A.default_assets(root, spec=SPEC) == a
 
 
-@pytest.mark.timeout(120)
-def test_killed_build_leaves_no_partial_cache(tmp_path, monkeypatch):
-    def killed(model, tokenizer, train_files, heldout_files, spec, out):
-        (out / B.TRAIN_FILE).write_text('{"input_ids": [1, 2')  # half a file, then "killed"
-        raise _Killed("simulated kill while generating data")
+def _half_build(error):
+    def build(out, spec):
+        (out / B.TRAIN_FILE).write_text('{"input_ids": [1, 2')  # half a file, then the failure
+        raise error
+    return build
 
-    monkeypatch.setattr(B, "_generate_data", killed)
+
+def test_killed_build_leaves_no_partial_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "build", _half_build(_Killed("simulated kill while generating data")))
     with pytest.raises(_Killed):
         A.default_assets(tmp_path, spec=SPEC)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    assert _entries(tmp_path) == []
 
 
-@pytest.mark.timeout(120)
-def test_failed_forced_rebuild_keeps_old_cache(built, monkeypatch):
-    root, a = built
+def test_failed_forced_rebuild_keeps_old_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "build", _fake_build([]))
+    a = A.default_assets(tmp_path, spec=SPEC)
     before = a.report.read_bytes()
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("training broke")
-
-    monkeypatch.setattr(B, "_train_target", broken)
+    monkeypatch.setattr(B, "build", _half_build(RuntimeError("training broke")))
     with pytest.raises(RuntimeError, match="training broke"):
-        A.default_assets(root, force=True, spec=SPEC)
+        A.default_assets(tmp_path, force=True, spec=SPEC)
     assert a.report.read_bytes() == before
-    assert A._is_current(a, SPEC)
-    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [a.root.name]
+    assert _entries(tmp_path) == [a.root.name]
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the old cache must still count as complete")
+
+    monkeypatch.setattr(B, "build", no_build)
+    assert A.default_assets(tmp_path, spec=SPEC) == a
 
 
 def _fake_build(calls, gate=None):

@@ -2,21 +2,17 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from examples.dflash_trainer.eval import acceptance_length, repeat_last_token
 from examples.dflash_trainer.drafter.model import DFlashDrafter
-from examples.dflash_trainer.target import TargetModel
+from tests.trainer.tiny_run import tiny_target
 
 MASK, BS = 299, 4
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    return TargetModel(Qwen3ForCausalLM(cfg), num_feature_layers=2, mask_token_id=MASK)
+    return tiny_target(300, MASK)
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def test_zlab_export_through_the_converter_matches_the_reference(case, tmp_path,
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == len(target.model.model.layers)
     ref, ref_features, model = _reference_logits(tmp_path / "spec", ids, hidden, monkeypatch)
     # the reference picks the same target layers as the trainer
-    assert torch.equal(ref_features, target._select(hidden))
+    assert torch.equal(ref_features, target.features(ids))
     assert model.mask_token_id == target.mask_token_id and model.block_size == 8
     mine = _project_logits(drafter, ids, ref_features, target.mask_token_id, 8)
     diff = (mine - ref).abs().max().item()

@@ -20,11 +20,7 @@ from examples.dflash_trainer.assets.assets import BuildSpec, CacheDirError, defa
 from examples.dflash_trainer.data import read_jsonl, tokenize_lines
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, InputError, MissingInput
 from examples.dflash_trainer.target import TargetModel
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
+from tests.trainer.tiny_run import tiny_cli
 
 
 @pytest.fixture
@@ -45,10 +41,8 @@ def no_weight_load(monkeypatch):
     monkeypatch.setattr(target_module.TargetSource, "load", lambda self, device: pytest.fail("reached worker setup"))
 
 
-def cli_args(target, data, out_dir, *extra):
-    return ["--target", str(target), "--data", str(data), "--devices", "cpu", "--seq-len", "64", "--num-anchors", "4",
-            "--batch-size", "2", "--num-draft-layers", "1", "--num-target-layers-used", "1", "--max-steps", "2",
-            "--eval-every", "0", "--out-dir", str(out_dir), *extra]
+def cli_args(assets, out_dir, *extra, target=None):
+    return tiny_cli(assets, out_dir, "--max-steps", "2", *extra, target=target)
 
 
 def last_error_line(capsys):
@@ -71,7 +65,7 @@ def test_a_target_without_tokenizer_files_is_refused_naming_the_directory(tiny_a
     with pytest.raises(MissingInput, match=match):
         TargetModel.from_pretrained(target_copy, num_feature_layers=1)
     # The embedded data is token ids: without the check this trained, masking with a used id.
-    assert cli.main(cli_args(target_copy, tiny_assets.train_jsonl, tmp_path / "run")) == EXIT_BAD_INPUT
+    assert cli.main(cli_args(tiny_assets, tmp_path / "run", target=target_copy)) == EXIT_BAD_INPUT
     assert re.search(match, last_error_line(capsys))
 
 
@@ -121,7 +115,7 @@ def test_a_damaged_target_is_one_line_naming_the_file_before_any_worker(tiny_ass
         TargetModel.shape_only(target_copy, num_feature_layers=1)
     with pytest.raises(error, match=match):
         TargetModel.from_pretrained(target_copy, num_feature_layers=1)
-    assert cli.main(cli_args(target_copy, tiny_assets.train_jsonl, tmp_path / "run")) == EXIT_BAD_INPUT
+    assert cli.main(cli_args(tiny_assets, tmp_path / "run", target=target_copy)) == EXIT_BAD_INPUT
     assert re.search(match, last_error_line(capsys))
 
 
@@ -136,7 +130,7 @@ def test_more_feature_layers_than_the_target_has_names_the_flag(tiny_assets, tmp
              r"over a 2-layer target .* L >= n\+3 = 53\); lower num_target_layers_used or use a deeper target")
     with pytest.raises(InputError, match=match):
         TargetModel.shape_only(tiny_assets.target_dir, num_feature_layers=50)
-    args = cli_args(tiny_assets.target_dir, tiny_assets.train_jsonl, tmp_path / "run", "--num-target-layers-used", "50")
+    args = cli_args(tiny_assets, tmp_path / "run", "--num-target-layers-used", "50")
     assert cli.main(args) == EXIT_BAD_INPUT
     assert re.search(match, last_error_line(capsys))
 

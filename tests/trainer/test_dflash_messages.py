@@ -14,18 +14,17 @@ def trainer(*argv):
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--seq-len", "1", "--num-anchors", "1"], "error: --seq-len 1 leaves no position for an anchor (it needs at least "
-                                               "2); raise --seq-len"),
-    (["--seq-len", "8", "--num-anchors", "9"], "lower --num-anchors to at most 7 or raise --seq-len"),
-    (["--block-size", "2"], "pass --gamma (half the block size is a fair start: --gamma 1)"),
-    (["--data", "/dev/zero", "--max-steps", "1"], "data file /dev/zero is not a regular file (a device or a pipe)"),
+@pytest.mark.parametrize("argv, names", [
+    (["--seq-len", "1", "--num-anchors", "1"], ["--seq-len", "2"]),  # the flag to raise, and its least value
+    (["--seq-len", "8", "--num-anchors", "9"], ["--num-anchors", "7", "--seq-len"]),  # 7: the most anchors 8 allows
+    (["--block-size", "2"], ["--gamma 1"]),  # the flag it needs, with a value that fits the block size
+    (["--data", "/dev/zero", "--max-steps", "1"], ["/dev/zero"]),
 ])
-def test_a_bad_flag_gets_one_line_that_says_what_to_do_and_exit_2(tmp_path, argv, says):
+def test_a_bad_flag_gets_one_line_that_says_what_to_do_and_exit_2(tmp_path, argv, names):
     proc = trainer(*argv, "--out-dir", str(tmp_path / "run"), "--devices", "cpu")
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and says in last, proc.stderr
+    assert last.startswith("error: ") and all(name in last for name in names), proc.stderr
 
 
 def test_the_advice_for_a_log_only_directory_under_resume_is_the_one_a_fresh_run_asks_for(tmp_path):
@@ -33,6 +32,7 @@ def test_the_advice_for_a_log_only_directory_under_resume_is_the_one_a_fresh_run
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     resumed = trainer("--out-dir", str(out), "--devices", "cpu", "--resume")
-    assert resumed.returncode == 2 and "drop --resume and add --overwrite" in resumed.stderr, resumed.stderr
+    advice = resumed.stderr.strip().splitlines()[-1]
+    assert resumed.returncode == 2 and "--resume" in advice and "--overwrite" in advice, resumed.stderr
     fresh = trainer("--out-dir", str(out), "--devices", "cpu")  # without the --overwrite it advised
-    assert fresh.returncode == 2 and "pass --overwrite to start over there" in fresh.stderr, fresh.stderr
+    assert fresh.returncode == 2 and "--overwrite" in fresh.stderr.strip().splitlines()[-1], fresh.stderr

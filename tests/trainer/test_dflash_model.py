@@ -4,22 +4,19 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from examples.dflash_trainer.drafter.loss import (block_positions, build_blocks, dflash_attention_mask,
                                           dflash_loss, labels_and_weights, sample_anchors)
 from examples.dflash_trainer.drafter.model import DFlashDrafter, target_layer_ids
 from examples.dflash_trainer.target import TargetModel, choose_mask_token_id
+from tests.trainer.tiny_run import tiny_target
 
 VOCAB, MASK = 300, 299
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    return TargetModel(Qwen3ForCausalLM(cfg), num_feature_layers=2, mask_token_id=MASK)
+    return tiny_target(VOCAB, MASK)
 
 
 @pytest.fixture

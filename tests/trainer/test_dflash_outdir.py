@@ -13,24 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.run.checkpoint import ResumeMismatch
 from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.run.outdir import OutDirError, RunLock
 from examples.dflash_trainer.train import train
 
-import test_dflash_train as train_tests
+from tests.trainer.tiny_run import tiny_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
 def config(assets, out, **overrides):
-    return train_tests.tiny_config(assets, out, **{"max_steps": 2, "checkpoint_every": 2, **overrides})
+    return tiny_config(assets, out, **{"max_steps": 2, "checkpoint_every": 2, **overrides})
 
 
 @pytest.fixture
@@ -83,8 +77,7 @@ def test_a_log_without_a_checkpoint_says_overwrite_not_resume(tiny_assets, tmp_p
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
-    with pytest.raises(OutDirError, match=r"holds the log of a run that saved no checkpoint \(metrics.jsonl\); pass "
-                                          r"--overwrite to start over there"):
+    with pytest.raises(OutDirError, match=r"metrics\.jsonl.*--overwrite"):
         train(config(tiny_assets, out))
 
 
@@ -92,7 +85,7 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_any_step(tiny_assets,
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoints").write_text("not a directory")
-    with pytest.raises(OutDirError, match="checkpoints is a file, but the run saves its checkpoints in a directory"):
+    with pytest.raises(OutDirError, match="checkpoints"):
         train(config(tiny_assets, out))
     assert not (out / "metrics.jsonl").exists()
 
@@ -131,10 +124,7 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
     monkeypatch.setattr(replica.DrafterReplica, "forward_backward", forward_backward)
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
     out = tmp_path / "run"
-    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "8", "--checkpoint-every", "2",
-            "--out-dir", str(out)]
+    args = tiny_cli(tiny_assets, out, "--max-steps", "8", "--checkpoint-every", "2")
     assert cli.main(args) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == (f"error: drafter-1 failed: RuntimeError: injected failure; the last checkpoint is "
@@ -154,8 +144,7 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_as
         * sizes.CHECKPOINT_BYTES
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 9 * one, one // 2))
-    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about [\d.]+ [KMG]iB but the disk of "
-                                             r"--out-dir .* has [\d.]+ [KMG]iB free; free some space or pass an --out-dir"):
+    with pytest.raises(sizes.TooLarge, match=r"[\d.]+ [KMG]iB.*--out-dir.*[\d.]+ [KMG]iB"):
         train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))
@@ -170,6 +159,7 @@ SLOW_SETUP = textwrap.dedent("""
     def load(self, device):  # a target that takes a minute to load
         pathlib.Path(sys.argv[1]).touch()
         time.sleep(60)
+        pathlib.Path(sys.argv[1] + ".done").touch()  # only if the process waited for the whole load
     target.TargetSource.load = load
     sys.exit(cli.main(sys.argv[2:]))
 """)
@@ -177,9 +167,7 @@ SLOW_SETUP = textwrap.dedent("""
 
 def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, tmp_path):
     out = tmp_path / "run"
-    args = ["--target", str(tiny_assets.target_dir), "--data", str(tiny_assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--max-steps", "2", "--out-dir", str(out)]
+    args = tiny_cli(tiny_assets, out, "--max-steps", "2")
     loading = tmp_path / "loading"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SETUP, str(loading), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -190,11 +178,11 @@ def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, 
     time.sleep(1)  # the main thread waits on the workers by now (a signal while it starts them stops at once)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=50)
-    assert time.monotonic() - sent < 15, "the second signal waited for the minute-long load"
+    _, err = proc.communicate(timeout=120)
+    assert not (tmp_path / "loading.done").exists(), "the second signal waited for the minute-long load"
     assert proc.returncode == 143, err[-3000:]
-    assert "SIGTERM during setup: stopping; the workers finish their current setup call first" in err
-    assert "SIGTERM during setup: stopping without waiting for the workers" in err
-    assert err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
+    during_setup = [line for line in err.splitlines() if "SIGTERM during setup" in line]
+    assert len(during_setup) == 2 and "without waiting" in during_setup[1], err[-3000:]  # the second one forces
+    last = err.strip().splitlines()[-1]
+    assert "SIGTERM" in last and "no checkpoint" in last, last

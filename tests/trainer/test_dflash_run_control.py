@@ -1,6 +1,6 @@
 """RunControl: when a run stops (a signal in setup, a request at a step boundary, the votes of every
-process) and what train() raises then. The signal handler is called directly, as the interpreter
-would on the main thread."""
+process) and what train() raises then. Signals are raised in this process, on the main thread where
+pytest runs the tests and where the control installs its handlers."""
 
 import signal
 
@@ -27,22 +27,42 @@ def test_across_processes_the_summed_votes_decide_on_every_rank():
     assert other.should_stop()
 
 
-def test_a_signal_during_setup_interrupts_at_once_and_a_second_one_forces():
-    control = RunControl()
-    with pytest.raises(Interrupted) as first:
-        control._handle(signal.SIGTERM, None)
-    assert (first.value.signum, first.value.checkpoint, first.value.forced) == (signal.SIGTERM, None, False)
-    with pytest.raises(Interrupted) as second:
-        control._handle(signal.SIGINT, None)
+@pytest.fixture
+def unhandled_signals_fail():
+    """A signal no RunControl handles fails the test instead of ending pytest."""
+    def unhandled(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the handler outside RunControl")
+
+    previous = {sig: signal.signal(sig, unhandled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_during_setup_interrupts_at_once_and_a_second_one_forces(unhandled_signals_fail):
+    with RunControl() as control:
+        with pytest.raises(Interrupted) as first:
+            signal.raise_signal(signal.SIGTERM)
+        assert (first.value.signum, first.value.checkpoint, first.value.forced) == (signal.SIGTERM, None, False)
+        with pytest.raises(Interrupted) as second:
+            signal.raise_signal(signal.SIGINT)
     assert (second.value.signum, second.value.forced) == (signal.SIGTERM, True)  # the first signal names the stop
+    assert control.signum == signal.SIGTERM
 
 
-def test_a_signal_while_stepping_asks_for_a_stop_at_the_next_boundary_once():
-    control = RunControl()
-    control.began_stepping()
-    control._handle(signal.SIGINT, None)
-    control._handle(signal.SIGTERM, None)  # torchrun sends both: the second is ignored
+def test_a_signal_while_stepping_asks_for_a_stop_at_the_next_boundary_once(unhandled_signals_fail):
+    with RunControl() as control:
+        control.began_stepping()
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)  # torchrun sends both: the second is ignored
     assert control.requested.is_set() and control.signum == signal.SIGINT
+
+
+def test_leaving_the_control_puts_the_previous_handlers_back(unhandled_signals_fail):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with RunControl():
+        assert all(signal.getsignal(sig) is not handler for sig, handler in before.items())
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_stopping_after_a_step_runs_the_callbacks_and_names_the_step():

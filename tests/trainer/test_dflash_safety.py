@@ -17,33 +17,22 @@ from pathlib import Path
 import pytest
 
 from examples.dflash_trainer import __main__ as cli
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.run.checkpoint import CheckpointError, ResumeMismatch, RunFinished
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.run.outdir import OutDirError
 from examples.dflash_trainer.train import train
 
-import test_dflash_train as train_tests
+from tests.trainer import tiny_run
+from tests.trainer.tiny_run import tiny_cli as cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
 def tiny_config(assets, out_dir, **overrides):
     """The trainer tests' tiny config, with this file's run length and checkpoints at steps 2 and 4."""
-    return train_tests.tiny_config(assets, out_dir, **{"max_steps": STEPS, "checkpoint_every": 2, **overrides})
-
-
-def cli_args(assets, out_dir, *extra):
-    return ["--target", str(assets.target_dir), "--data", str(assets.train_jsonl), "--devices", "cpu",
-            "--seq-len", "64", "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1",
-            "--num-target-layers-used", "1", "--eval-every", "0", "--lr", "3e-3", "--out-dir", str(out_dir), *extra]
+    return tiny_run.tiny_config(assets, out_dir, **{"max_steps": STEPS, "checkpoint_every": 2, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +85,17 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_runs_never_mix(tiny_asset
 def test_every_checkpoint_write_is_fsynced_before_its_rename(tiny_assets, tmp_path, monkeypatch):
     from examples.dflash_trainer.run import checkpoint
 
-    events = []
-    real_fsync, real_replace = checkpoint._fsync, os.replace
-    monkeypatch.setattr(checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p).name)), real_fsync(p)))
+    events, opened = [], {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = Path(path).name
+        return fd
+
+    # at the OS calls themselves: whatever helper makes them, the file's fsync precedes its rename
+    monkeypatch.setattr(checkpoint.os, "open", open_)
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd))), real_fsync(fd)))
     monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("rename", Path(b).name)), real_replace(a, b)))
     train(tiny_config(tiny_assets, tmp_path, max_steps=2))
     names = list(events)
@@ -116,7 +113,7 @@ def test_resume_with_another_worker_topology_is_refused(tiny_assets, run_copy):
 def test_a_state_file_copied_from_another_step_is_refused(tiny_assets, run_copy):
     ckpt = run_copy / "checkpoints"
     shutil.copy(ckpt / "step_00000004" / "state.pt", ckpt / "step_00000002" / "state.pt")
-    with pytest.raises(CheckpointError, match=r"step_00000002/state\.pt is corrupt.*nearest good checkpoint is .*step_00000004"):
+    with pytest.raises(CheckpointError, match=r"step_00000002/state\.pt.*step_00000004"):
         train(tiny_config(tiny_assets, resumable(run_copy), resume=True))
 
 
@@ -125,8 +122,7 @@ def test_finite_garbage_in_the_weights_is_refused_naming_the_nearest_good_checkp
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(64)  # zeros: finite, loadable, wrong
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"step_00000004/model\.safetensors is corrupt.*nearest good checkpoint "
-                                              r"is .*step_00000002"):
+    with pytest.raises(CheckpointError, match=r"step_00000004/model\.safetensors.*step_00000002"):
         train(tiny_config(tiny_assets, run_copy, max_steps=6, resume=True))
 
 
@@ -200,7 +196,7 @@ def test_a_non_finite_loss_right_after_resume_blames_the_checkpoint(tiny_assets,
 
     real = target_module.TargetModel.features
     monkeypatch.setattr(target_module.TargetModel, "features", lambda self, *a, **k: real(self, *a, **k) * float("nan"))
-    with pytest.raises(Exception, match=r"first step after resuming from step 2: that checkpoint's weights are likely bad"):
+    with pytest.raises(Exception, match=r"resuming from step 2"):
         train(tiny_config(tiny_assets, resumable(run_copy), resume=True))
 
 
@@ -215,8 +211,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_worker_starts(tiny_assets
     from examples.dflash_trainer.assets import sizes
 
     monkeypatch.setattr(sizes, "free_bytes", lambda device: 8 * sizes.GiB)  # what this CI machine has, say
-    with pytest.raises(sizes.TooLarge, match=r"needs about \d+\.\d GiB on cpu .* 8\.0 GiB is free; lower --batch-size "
-                                             r"\(now 1000\)"):
+    with pytest.raises(sizes.TooLarge, match=r"\d+\.\d GiB on cpu.* 8\.0 GiB.*--batch-size.*1000"):
         train(tiny_config(tiny_assets, tmp_path, batch_size=1000, seq_len=96, num_anchors=16))
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -269,7 +264,7 @@ def test_a_stop_signal_saves_at_the_next_step_and_resumes_bit_identically(tiny_a
     assert proc.returncode == code, err[-3000:]
     latest = (out / "checkpoints" / "latest").read_text().strip()
     saved = int(latest.split("_")[1])
-    assert f"checkpoint saved to {out / 'checkpoints' / latest}; continue with --resume" in err
+    assert str(out / "checkpoints" / latest) in err and "--resume" in err, err[-3000:]
     assert 2 <= saved < steps
     resumed = train(tiny_config(tiny_assets, out, max_steps=steps, checkpoint_every=2, resume=True))
     assert resumed.start_step == saved
@@ -286,7 +281,8 @@ def test_sigterm_during_setup_exits_143_saying_nothing_was_saved(tiny_assets, tm
     monkeypatch.setattr(pipeline.Pipeline, "build", staticmethod(build))
     before = signal.getsignal(signal.SIGTERM)
     assert cli.main(cli_args(tiny_assets, tmp_path, "--max-steps", "2")) == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped by SIGTERM: no checkpoint saved (no step completed yet)"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "SIGTERM" in last and "no checkpoint" in last, last
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are the process's again
 
 

@@ -12,26 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.drafter.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
 from examples.dflash_trainer.train import train
+from tests.trainer.tiny_run import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
-
-
-def tiny_config(assets, out_dir, **overrides):
-    values = dict(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
-                  block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
-                  max_steps=12, eval_every=0, checkpoint_every=0, out_dir=str(out_dir), lr=3e-3)
-    values.update(overrides)
-    return TrainConfig(**values)
 
 
 def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_path):
