@@ -1,5 +1,5 @@
 """The report of ``dflash_throughput.py``: the headline figures computed from its cells, and the
-markdown that presents them (both go into the results JSON / .md; ``readme_tables.py`` reads the JSON).
+markdown that presents them (both go into the results JSON / .md; ``render.py`` reads the JSON).
 
     python -m benchmarks dflash-report benchmarks/results/dflash-throughput-*.json
 
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import common
-from dflash_results import EMPTY, RESTART, TARGET_RATIO, inductor_cache, startup_comparable
+from headlines import RESTART, TARGET_RATIO
+from results_schema import EMPTY, inductor_cache, startup_comparable
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 

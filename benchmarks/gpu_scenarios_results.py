@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import results_index  # noqa: E402
+import headlines  # noqa: E402
+import results_schema  # noqa: E402
 
 MODULE = "tests.gpu_scenarios"
 OUTCOMES = "pytest_outcomes"
@@ -111,7 +112,7 @@ def render(data: dict, env: dict) -> str:
         for tag, result in phase.items():
             if tag == OUTCOMES:
                 continue
-            headline = results_index.scenario_headline(tag, result)
+            headline = headlines.scenario_headline(tag, result)
             rows.append([tag, result.get("seconds"), result.get("error") or "ran",
                          f"{headline[0]}: {headline[1]}" if headline else "-"])
         lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]
