@@ -1,5 +1,5 @@
-"""Mode ``ab`` of trainer_runs.py: DFlash throughput of two or more source trees on one machine, in turns: is a change slower, or
-was it the machine?
+"""Mode ``ab`` of trainer_runs.py, DFlash throughput of two or more source trees on one machine
+in turns: is a change slower, or was it the machine?
 
 A launch-bound target (the embedded default) gives steady tokens/s that follow the host's speed
 of the moment, which differs between machines and between runs on one. Comparing a results file

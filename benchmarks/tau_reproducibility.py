@@ -1,5 +1,6 @@
-"""Mode ``tau`` of trainer_runs.py: does the embedded default reproduce? Build it fresh N times, compare the builds bit for bit, and
-train the default drafter on some of them: acceptance length tau with its baselines per build.
+"""Mode ``tau`` of trainer_runs.py, does the embedded default reproduce? Build it fresh N times,
+compare the builds bit for bit, and train the default drafter on some of them: acceptance length
+tau with its baselines per build.
 
     python -m benchmarks tau-reproducibility --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
 
