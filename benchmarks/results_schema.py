@@ -132,19 +132,20 @@ def trainer_runs_of(data: dict) -> dict:
 
 
 def _check_header(file: str, name: Name, data: dict) -> None:
-    """What the JSON says of its machine, torch and date agrees with its name."""
+    """What the JSON says of its machine, torch and date agrees with its name. An ``env`` says it
+    as common.environment() does (``gpu`` None on a CPU); a file without one may say it at the top."""
     env = data.get("env") if isinstance(data.get("env"), dict) else None
-    where = "env." if env is not None else ""
-    source = env if env is not None else data
-    stored = {"torch": source.get("torch"), "date": source.get("date"),
-              "machine": machine_of(source.get("gpu")) if env is not None else (data.get("machine") or data.get("gpu"))}
+    source, where = (env, "env.") if env is not None else (data, "")
+    machine_key = "gpu" if env is not None else next((k for k in ("machine", "gpu") if data.get(k)), None)
+    stored = {"torch": source.get("torch"), "date": source.get("date")}
+    if machine_key is not None and machine_key in source:
+        stored[machine_key] = machine_of(source[machine_key])
     for field, value in stored.items():
-        if value is None or (field == "machine" and env is not None and "gpu" not in env):
+        if value is None:
             continue
-        value = str(value).split("+")[0] if field == "torch" else str(value)
-        if value != getattr(name, field):
-            label = "gpu" if field == "machine" and env is not None else field
-            raise ResultsError(file, where + label, f"says {value!r}, the file's name {getattr(name, field)!r}")
+        value, expected = str(value), getattr(name, "machine" if field in ("gpu", "machine") else field)
+        if (value.split("+")[0] if field == "torch" else value) != expected:
+            raise ResultsError(file, where + field, f"says {value!r}, the file's name {expected!r}")
 
 
 def validate(file_name: str, data: Any) -> Name:

@@ -98,3 +98,16 @@ def test_newest_takes_the_newest_file_of_exactly_that_theme(tmp_path):
         (tmp_path / name).write_text(json.dumps({"placements": [], "cases": 0, "equal": 0, "rows": []}))
     assert schema.newest(tmp_path, "conformance").name == "conformance_nvidia-h200_torch2.11.0_2026-12-01.json"
     assert schema.newest(tmp_path, "fence-matrix") is None
+
+
+@pytest.mark.parametrize("header, field", [({"gpu": "nvidia-a100"}, "gpu"), ({"machine": "cpu"}, "machine"),
+                                           ({"torch": "2.12.0"}, "torch"), ({"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}, None)])
+def test_a_file_without_an_env_is_checked_against_the_header_it_holds_at_the_top(tmp_path, header, field):
+    path = tmp_path / "fence-overhead_nvidia-h200_torch2.11.0_2026-12-01.json"
+    path.write_text(json.dumps({**header, "rows": []}))
+    if field is None:
+        assert schema.load(path).machine == "nvidia-h200"
+        return
+    with pytest.raises(schema.ResultsError) as error:
+        schema.load(path)
+    assert error.value.field == field
