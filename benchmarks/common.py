@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -20,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import _stats
+import results_schema
 from small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 def exit_on_sigterm() -> None:
@@ -126,10 +126,8 @@ def header_lines(env: dict) -> list[str]:
 
 
 def results_stem(env: dict, theme: str) -> str:
-    """`<theme>_<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>` (the rule of benchmarks/README.md)."""
-    device = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") if env["gpu"] else "cpu"
-    version = env["torch"].split("+")[0]
-    return f"{theme}_{device}_torch{version}_{env['date']}"
+    """`<theme>_<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>` (results_schema's naming rule)."""
+    return results_schema.stem(env, theme)
 
 
 def results_dir(out_dir: Optional[str]) -> Path:
@@ -263,8 +261,8 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def write_json(path: Path, data) -> Path:
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    return path
+    """Write a results file, checked against its theme's schema first (results_schema.write)."""
+    return results_schema.write(path, data)
 
 
 def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:

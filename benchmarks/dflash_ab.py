@@ -1,5 +1,5 @@
-"""DFlash throughput of two or more source trees on one machine, in turns: is a change slower, or
-was it the machine?
+"""Mode ``ab`` of trainer_runs.py, DFlash throughput of two or more source trees on one machine
+in turns: is a change slower, or was it the machine?
 
 A launch-bound target (the embedded default) gives steady tokens/s that follow the host's speed
 of the moment, which differs between machines and between runs on one. Comparing a results file
@@ -29,20 +29,20 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import results_schema  # noqa: E402
+import trainer_process  # noqa: E402
 
 REQUIRED = ("tokens_per_s_threaded", "tokens_per_s_sequential", "ratio", "host_gil_ms_per_batch")  # both cells measured
 FIGURES = (*REQUIRED, "gpu_ms_per_batch")  # the GPU time only on a GPU
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR", help="a source tree to run (2 or more)")
     p.add_argument("--tree-arg", action="append", default=[], metavar="NAME=ARG", help="an argument for one tree only")
     p.add_argument("--tree-env", action="append", default=[], metavar="NAME=VAR=VALUE", help="a variable for one tree only")
@@ -103,11 +103,8 @@ def run_all(args) -> Path:
             cmd = [sys.executable, str(tree / "benchmarks" / "dflash_throughput.py"), "--out-dir", str(run_dir),
                    *args.bench_args, *extra_args]
             print(f"[{name} {rep}/{args.reps}] {tree}", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
-            rc = "timeout" if common.wait_or_stop(proc, args.timeout) is None else proc.returncode
-            order.append({"run": run_dir.name, "tree": name, "dir": str(tree), "rc": rc,
-                          "took_s": round(time.perf_counter() - started, 1),
+            done = trainer_process.run(cmd, cwd=tree, env=env, timeout=args.timeout, capture=False)
+            order.append({"run": run_dir.name, "tree": name, "dir": str(tree), "rc": done.rc, "took_s": done.took_s,
                           **({"extra_args": extra_args} if extra_args else {}),
                           **({"extra_env": " ".join(extra_env)} if extra_env else {})})
             (work / "runs.json").write_text(json.dumps({"bench_args": args.bench_args, "runs": order}, indent=1) + "\n")
@@ -182,7 +179,7 @@ def keep_earlier(path: Path, summary: dict) -> None:
     """A results file of the same day, machine and kind is replaced only by a summary that holds its runs."""
     if not path.is_file():
         return
-    earlier = json.loads(path.read_text())
+    earlier = results_schema.load(path).data
     same_work = earlier.get("work", summary["work"]) == summary["work"]
     if not same_work or earlier.get("runs") != summary["runs"][:len(earlier.get("runs", []))]:
         where = f" (its --work was {earlier['work']})" if earlier.get("work") else ""
@@ -190,21 +187,17 @@ def keep_earlier(path: Path, summary: dict) -> None:
                          "or write this one elsewhere with --out-dir")
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     work = args.summarize or run_all(args)
     summary = summarize(work)
     text = report(summary)
     print(text)
-    stem = common.results_stem(summary["env"], f"dflash-ab-{summary['shape']}-{summary['graphs']}")
+    stem = results_schema.stem(summary["env"], f"dflash-ab-{summary['shape']}-{summary['graphs']}")
     out = common.results_dir(args.out_dir)
     keep_earlier(out / f"{stem}.json", summary)
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    results_schema.write(out / f"{stem}.json", summary)
     (out / f"{stem}.md").write_text(text)
     print(f"wrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

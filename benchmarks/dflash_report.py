@@ -1,5 +1,5 @@
 """The report of ``dflash_throughput.py``: the headline figures computed from its cells, and the
-markdown that presents them (both go into the results JSON / .md; ``readme_tables.py`` reads the JSON).
+markdown that presents them (both go into the results JSON / .md; ``render.py`` reads the JSON).
 
     python -m benchmarks dflash-report benchmarks/results/dflash-throughput-*.json
 
@@ -10,13 +10,14 @@ cells' own dicts, are left as they are.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import common
-from dflash_results import EMPTY, RESTART, TARGET_RATIO, inductor_cache, startup_comparable
+from headlines import RESTART, TARGET_RATIO
+import results_schema
+from results_schema import EMPTY, inductor_cache, startup_comparable
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 
@@ -168,7 +169,10 @@ def rerender(path: Path) -> None:
     """Rewrite the figures of one results JSON and its .md from its cells' measurements."""
     from examples.dflash_trainer.config import TrainConfig
 
-    data = json.loads(path.read_text())
+    try:
+        data = results_schema.load(path).data
+    except results_schema.ResultsError as exc:
+        raise SystemExit(f"not a dflash_throughput results file: {exc}")
     try:
         cfg = TrainConfig.from_dict(data["config"])
         cells, env, shape = (data["threaded"], data["sequential"]), data["env"], data["shape"]

@@ -1,41 +1,85 @@
-"""Which eager ops of a bystander thread survive other threads' warm-ups and recordings, with and
-without threadgraph's eager fence; and pytorch#123177's repro, run after run.
+"""The fence-matrix results file, from the records of a GPU test run of the eager fence.
 
-    python -m benchmarks fence-matrix [--runs 20] [--parallel 4] [--out-dir benchmarks/results]
+    THREADGRAPH_GPU_LOG=/tmp/fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
+    python -m benchmarks fence-matrix /tmp/fence-log
 
-Each cell (op class x training/inference x fenced/unfenced) and each repro run is a fresh process
-of ``tests/gpu_fence_scenarios.py`` (a broken capture can poison a process). Writes
-``fence-matrix_<gpu>_torch<version>_<date>.json`` and ``.md``. Needs a CUDA GPU.
+``tests/library/test_gpu_fence.py`` runs each scenario of ``tests/gpu_fence_scenarios.py`` in a
+fresh process and asserts on it: every cell of the matrix (a plain thread's eager op class beside
+3 workers' warm-ups and recordings, training and inference) with and without the fence, and
+pytorch#123177's repro run after run, fenced and unfenced. A failure fails those tests; this
+script asserts nothing. With THREADGRAPH_GPU_LOG naming a folder, ``tests/gpu_process.py`` keeps
+each run's record there; this script turns them into ``fence-matrix_<gpu>_torch<version>_<date>.json``
+(the cells, and the repro's runs by variant; a run that printed no result is kept with its exit
+status) and its ``.md``, which docs/results.md and the README quote.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import datetime
-import json
-import subprocess
+import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import gpu_scenarios_results  # noqa: E402
+import results_schema  # noqa: E402
+
+MODULE = "tests.gpu_fence_scenarios"
 OP_CLASSES = ("rng", "compiled_rng", "sync", "host", "memory")
 KINDS = ("train", "infer")
 VARIANTS = ("fenced", "unfenced")
 
 
-def run_scenario(*args: str, timeout: int = 400) -> dict:
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.gpu_fence_scenarios", *args]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"args": list(args), "rc": "timeout"}
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
-    result.update(args=list(args), rc=proc.returncode)
-    if proc.returncode != 0 or not lines:
-        result["stderr_tail"] = proc.stderr[-1500:]
-    return result
+def variant(args: list) -> str:
+    return args[args.index("--variant") + 1] if "--variant" in args else "fenced"
+
+
+def option(args: list, name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
+
+
+def entry(record: dict) -> dict:
+    """A record as the results file keeps it: the scenario's result with its arguments and exit
+    status, or, when it printed none, why."""
+    args = record["args"][2:]
+    if record["rc"] == 0 and record["result"] is not None:
+        return {**record["result"], "args": args, "rc": 0}
+    return {"args": args, "rc": record["rc"], "stderr_tail": record.get("last_stderr_line") or "no result printed"}
+
+
+def _natural(tag: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", tag)]
+
+
+def collect(folder: Path, out_dir: Path) -> Path:
+    """The folder's fence scenario records as the day's fence-matrix results file; its path."""
+    records = sorted(gpu_scenarios_results.read_records(folder, MODULE), key=lambda r: _natural(r["tag"]))
+    gpu, torch_version = gpu_scenarios_results.identity(records)
+    last = gpu_scenarios_results.last_record_time(records)
+    cells, repro = [], {v: [] for v in VARIANTS}
+    for record in records:
+        args = record["args"][2:]
+        if args[:1] == ["matrix"]:
+            cells.append(entry(record))
+        elif args[:1] == ["repro_123177"]:
+            repro[variant(args)].append(entry(record))
+    order = {(v, c, k): i for i, (v, c, k) in enumerate((v, c, k) for v in VARIANTS for c in OP_CLASSES for k in KINDS)}
+    cells.sort(key=lambda cell: order.get((variant(cell["args"]), option(cell["args"], "--ops", "rng"),
+                                           option(cell["args"], "--kind", "train")), len(order)))
+    env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
+    data = {"gpu": results_schema.machine_of(gpu), "torch": torch_version.split("+")[0], "date": env["date"],
+            "cells": cells, "repro": repro}
+    path = out_dir / f"{results_schema.stem(env, 'fence-matrix')}.json"
+    results_schema.write(path, data)
+    path.with_suffix(".md").write_text(render(data))
+    return path
+
+
+def missing_cells(data: dict) -> list[str]:
+    """Cells of the whole matrix that the run has no record of (a run of some of the tests)."""
+    have = {(variant(c["args"]), option(c["args"], "--ops", "rng"), option(c["args"], "--kind", "train")) for c in data["cells"]}
+    return [f"{c} {k} {v}" for v in VARIANTS for c in OP_CLASSES for k in KINDS if (v, c, k) not in have]
 
 
 def cell_row(r: dict) -> list[str]:
@@ -61,9 +105,12 @@ def render(data: dict) -> str:
     for r in data["cells"]:
         lines.append(f"| {r.get('ops')} {r.get('kind')} {r.get('variant')} | {r.get('workers_equal_reference')} | "
                      f"{r.get('captures')} | {r.get('group_error')} | {r.get('rng_in_main_thread_after')} |")
-    for variant, runs in data["repro"].items():
+    missing = missing_cells(data)
+    if missing:
+        lines += ["", f"Not recorded by this run: {'; '.join(missing)}."]
+    for name, runs in data["repro"].items():
         failed = [r for r in runs if r.get("errors") or r.get("rc") != 0 or not r.get("all_equal")]
-        lines += ["", f"## pytorch#123177 repro, {variant}: {len(runs) - len(failed)} of {len(runs)} runs clean", ""]
+        lines += ["", f"## pytorch#123177 repro, {name}: {len(runs) - len(failed)} of {len(runs)} runs clean", ""]
         for i, r in enumerate(runs):
             lines.append(f"- run {i + 1}: rc {r.get('rc')}, {len(r.get('errors', {}))} of {r.get('threads')} threads raised"
                          f"{': ' + sorted(set(r['errors'].values()))[0] if r.get('errors') else ''}; outputs equal eager: "
@@ -71,41 +118,20 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=20, help="fenced repro runs (the unfenced repro runs 3)")
-    p.add_argument("--parallel", type=int, default=4, help="processes at a time on the GPU")
-    p.add_argument("--classes", default=",".join(OP_CLASSES))
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     args = p.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        sys.exit("fence_matrix.py needs a CUDA GPU: it measures captures, which only exist on one")
-    classes = [c for c in args.classes.split(",") if c]
-    unknown = set(classes) - set(OP_CLASSES)
-    if unknown:
-        sys.exit(f"unknown --classes {sorted(unknown)}; choose from {', '.join(OP_CLASSES)}")
-    variants = [v for v in args.variants.split(",") if v]
-    jobs = [("matrix", "--ops", c, "--kind", k, "--variant", v) for v in variants for c in classes for k in KINDS]
-    repro = {v: [("repro_123177", "--variant", v)] * (args.runs if v == "fenced" else 3) for v in variants}
-    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        cells = list(pool.map(lambda a: run_scenario(*a), jobs))
-        for c in cells:
-            print("\n".join(cell_row(c)), flush=True)
-        repro_results = {v: list(pool.map(lambda a: run_scenario(*a), runs)) for v, runs in repro.items()}
-    gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").lower().replace(" ", "-")
-    data = {"gpu": f"nvidia-{gpu}", "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat(),
-            "cells": cells, "repro": repro_results}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"fence-matrix_{data['gpu']}_torch{data['torch']}_{data['date']}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(render(data))
-    print(render(data))
-    print(f"wrote {out / stem}.json and .md")
+    if not args.folder.is_dir():
+        p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
+    path = collect(args.folder, common.results_dir(args.out_dir))
+    missing = missing_cells(results_schema.load(path).data)
+    if missing:
+        print(f"no record of the cells {'; '.join(missing)}: the file holds the others", file=sys.stderr)
+    print(f"wrote {path} and its .md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

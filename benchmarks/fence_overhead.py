@@ -29,6 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+import results_schema  # noqa: E402
 from small_model import allow_recompiles, mlp  # noqa: E402
 
 import threadgraph  # noqa: E402
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
             row = measure(task, workers, args.phases, args.phase_seconds, args.warmup)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    gpu = "nvidia-" + torch.cuda.get_device_name(0).replace("NVIDIA ", "").lower().replace(" ", "-")
+    gpu = results_schema.machine_of(torch.cuda.get_device_name(0))
     meta = {"gpu": gpu, "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat(),
             "phases": args.phases, "phase_seconds": args.phase_seconds}
     stem = f"fence-overhead_{gpu}_torch{meta['torch']}_{meta['date']}"
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
               f"{r['ratio_fenced_over_unfenced']} | {r['steps']['fenced']}, {r['steps']['unfenced']} |" for r in rows]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    results_schema.write(out / f"{stem}.json", {**meta, "rows": rows})
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

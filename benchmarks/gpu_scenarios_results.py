@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import results_index  # noqa: E402
+import headlines  # noqa: E402
+import results_schema  # noqa: E402
 
 MODULE = "tests.gpu_scenarios"
 OUTCOMES = "pytest_outcomes"
@@ -34,8 +35,8 @@ class NoRecords(SystemExit):
     """The folder holds no scenario records to collect."""
 
 
-def read_records(folder: Path) -> list[dict]:
-    """The folder's records of tests/gpu_scenarios.py runs, with each file's modification time."""
+def read_records(folder: Path, module: str = MODULE) -> list[dict]:
+    """The folder's records of runs of ``module``'s scenarios, with each file's modification time."""
     records = []
     for path in sorted(folder.glob("*.json")):
         try:
@@ -44,10 +45,10 @@ def read_records(folder: Path) -> list[dict]:
             raise SystemExit(f"{path}: not a scenario record ({exc}); give the folder THREADGRAPH_GPU_LOG named")
         if not isinstance(record, dict) or "tag" not in record or "args" not in record:
             raise SystemExit(f"{path}: not a scenario record (no tag or args); give the folder THREADGRAPH_GPU_LOG named")
-        if record["args"][:2] == ["-m", MODULE]:
+        if record["args"][:2] == ["-m", module]:
             records.append(dict(record, mtime=path.stat().st_mtime))
     if not records:
-        raise NoRecords(f"{folder}: no records of {MODULE} runs; run the GPU tests with THREADGRAPH_GPU_LOG={folder}")
+        raise NoRecords(f"{folder}: no records of {module} runs; run the GPU tests with THREADGRAPH_GPU_LOG={folder}")
     return records
 
 
@@ -73,6 +74,11 @@ def outcomes(junit: Path) -> dict:
     return out
 
 
+def last_record_time(records: list[dict]) -> datetime.datetime:
+    """When the run ended: its last record's modification time, in UTC."""
+    return datetime.datetime.fromtimestamp(max(r["mtime"] for r in records), datetime.timezone.utc)
+
+
 def identity(records: list[dict]) -> tuple[str, str]:
     """The GPU and torch the scenarios ran on: one of each, or the records are of several runs."""
     seen = {(r["result"]["gpu"], r["result"]["torch"]) for r in records if r["rc"] == 0 and r["result"]}
@@ -86,10 +92,10 @@ def collect(folder: Path, label: str, out_dir: Path) -> Path:
     """Add the folder's run as a phase of its day's results file; the file's path."""
     records = read_records(folder)
     gpu, torch_version = identity(records)
-    last = datetime.datetime.fromtimestamp(max(r["mtime"] for r in records), datetime.timezone.utc)
+    last = last_record_time(records)
     env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
     path = out_dir / f"{common.results_stem(env, 'gpu-scenarios')}.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = results_schema.load(path).data if path.exists() else {}
     if any(name.split(" ")[0] == label for name in data):
         raise SystemExit(f"{path} already has a phase {label!r}: give another --label")
     phase = {r["tag"]: entry(r) for r in sorted(records, key=lambda r: r["tag"])}
@@ -111,7 +117,7 @@ def render(data: dict, env: dict) -> str:
         for tag, result in phase.items():
             if tag == OUTCOMES:
                 continue
-            headline = results_index.scenario_headline(tag, result)
+            headline = headlines.scenario_headline(tag, result)
             rows.append([tag, result.get("seconds"), result.get("error") or "ran",
                          f"{headline[0]}: {headline[1]}" if headline else "-"])
         lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]

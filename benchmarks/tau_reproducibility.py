@@ -1,5 +1,6 @@
-"""Does the embedded default reproduce? Build it fresh N times, compare the builds bit for bit, and
-train the default drafter on some of them: acceptance length tau with its baselines per build.
+"""Mode ``tau`` of trainer_runs.py, does the embedded default reproduce? Build it fresh N times,
+compare the builds bit for bit, and train the default drafter on some of them: acceptance length
+tau with its baselines per build.
 
     python -m benchmarks tau-reproducibility --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
 
@@ -16,15 +17,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+import results_schema  # noqa: E402
+import trainer_process  # noqa: E402
 
 from examples.dflash_trainer.assets.assets import default_assets  # noqa: E402
 
@@ -42,16 +42,14 @@ def file_hashes(root: Path) -> dict[str, str]:
 def train_once(cache: Path, timeout: int) -> dict:
     """One default trainer run on the CPU against ``cache``'s assets: tau and baselines."""
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, THREADGRAPH_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer", "--devices", "cpu", "--json",
-                               "--out-dir", out], cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise SystemExit(f"trainer on {cache} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        results = json.loads(proc.stdout.strip().splitlines()[-1])
+        run = trainer_process.run_trainer(["--devices", "cpu", "--json", "--out-dir", out], timeout=timeout,
+                                          env={"THREADGRAPH_CACHE": str(cache), "CUDA_VISIBLE_DEVICES": ""})
+    if run.result is None:
+        raise SystemExit(f"trainer on {cache}: {run.error}")
+    results = run.result
     return {"tau": results["eval"]["tau"], "tau_random_init": results["baseline"]["tau_random_init"],
             "tau_repeat_last_token": results["baseline"]["tau_repeat_last_token"], "steps": results["last"]["step"],
-            "loss_last": results["last"]["loss"], "seconds": round(time.perf_counter() - t0, 1)}
+            "loss_last": results["last"]["loss"], "seconds": run.took_s}
 
 
 def compare(caches: list[Path], train: int, timeout: int) -> dict:
@@ -95,8 +93,8 @@ def markdown(env: dict, result: dict) -> str:
                                    "steps", "train s", "model.safetensors sha256"], rows), ""])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--caches", nargs="+", type=Path, required=True, help="one cache directory per build (>= 2)")
     p.add_argument("--train", type=int, default=2, help="train on the first N builds (default 2)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
@@ -109,12 +107,8 @@ def main(argv=None) -> int:
     text = markdown(env, result)
     print(text)
     out = common.results_dir(args.out_dir)
-    stem = common.results_stem(env, "dflash-tau-reproducibility")
-    common.write_json(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
+    stem = results_schema.stem(env, "dflash-tau-reproducibility")
+    results_schema.write(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

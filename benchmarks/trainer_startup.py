@@ -1,5 +1,6 @@
-"""The trainer's startup: the README's main job, each run in a fresh process on an empty Inductor
-cache, to its first steady step, with the compiles of each worker and Dynamo's recompilations.
+"""Mode ``startup`` of trainer_runs.py, the trainer's startup: the README's main job, each run in
+a fresh process on an empty Inductor cache, to its first steady step, with the compiles of each
+worker and Dynamo's recompilations.
 
     python -m benchmarks trainer-startup                      # Trees, whole-step, then Trees again on Trees' cache
     python -m benchmarks trainer-startup --graphs trees --no-restart --label "before X"   # one run, named
@@ -19,27 +20,24 @@ quotes; on a CPU the trainer runs eager, so its startup says nothing about graph
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import results_schema  # noqa: E402
+import trainer_process  # noqa: E402
 
 THEME = "dflash-trainer-startup"
-TRAINER = [sys.executable, "-m", "examples.dflash_trainer"]
 GRAPHS = {"trees": "Trees", "whole-step": "whole-step"}
 RECOMPILE = re.compile(r"Recompiling function (\S+)")
 KEPT_RECOMPILES = 5  # the first records, each a line and its reason, kept in the results
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graphs", default="trees,whole-step", help="comma-separated --cuda-graphs values (default: %(default)s)")
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="leave out the Trees run again on the first Trees run's Inductor cache")
@@ -82,22 +80,12 @@ def recompiles(stderr: str) -> dict:
 
 def run_one(graphs: str, cache: Path, out_dir: Path, trainer_args: list, timeout: int) -> dict:
     """One trainer run in a fresh process: its --json result, or {"error": ...} naming why there is none."""
-    cmd = [*TRAINER, "--out-dir", str(out_dir), "--json", "--cuda-graphs", graphs, *trainer_args]
-    path = os.pathsep.join([str(common.ROOT / "src"), str(common.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCH_LOGS": "recompiles"}
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    outputs = common.wait_or_stop(proc, timeout)
-    took = round(time.perf_counter() - started, 1)
-    given = {"command": " ".join(["python -m examples.dflash_trainer", *cmd[len(TRAINER):]]), "took_s": took}
-    if outputs is None:
-        return {"error": f"timed out after {timeout} s", **given}
-    stdout, stderr = outputs
-    results = [line for line in stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not results:
-        sys.stderr.write(stderr[-3000:])
-        return {"error": common.exit_error(proc.returncode, stderr), **given}
-    return {**json.loads(results[-1]), **recompiles(stderr), **given}
+    run = trainer_process.run_trainer(["--out-dir", out_dir, "--json", "--cuda-graphs", graphs, *trainer_args],
+                                      timeout=timeout, env={"TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCH_LOGS": "recompiles"})
+    given = {"command": run.command, "took_s": run.took_s}
+    if run.result is None:
+        return {"error": run.error, **given}
+    return {**run.result, **recompiles(run.stderr), **given}
 
 
 def run_all(args) -> dict:
@@ -131,10 +119,9 @@ def _per_worker(run: dict, key: str) -> str:
 
 def report(data: dict, path: Path) -> str:
     """The .md of a results file: its runs' startups, compiles and waits per worker."""
-    env = data.get("env")  # else the file's name says where and when: <theme>_<hardware>_torch<version>_<date>
-    named = re.search(r"_([^_]+)_torch([^_]+)_([0-9-]+)$", path.stem)
+    env, named = data.get("env"), results_schema.parse_name(path.name)  # a file without env: its name says where and when
     where = (f"{env['gpu'] or 'CPU'}, torch {env['torch']}, {env['date']}" if env else
-             f"{named[1]}, torch {named[2]}, {named[3]}" if named else path.stem)
+             f"{named.machine}, torch {named.torch}, {named.date}" if named else path.stem)
     lines = [f"# DFlash trainer startup: the README's main job, {where}", "",
              f"- {data['recorded_by']}", "",
              "| run | startup s (to the last worker's first steady step) | build s | compile s per worker | "
@@ -163,7 +150,7 @@ def runs_of(data: dict) -> dict:
     return {name: run for name, run in data.items() if isinstance(run, dict) and ("startup_s" in run or "error" in run)}
 
 
-RECORDED_BY = ("benchmarks/trainer_startup.py: each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
+RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-runs --mode startup): each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
                "empty folder (the restart: the first Trees run's) and TORCH_LOGS=recompiles; each entry is the run's "
                "--json line, with `recompiles`, `recompile_records`, `command` and `took_s` added")
 
@@ -175,24 +162,20 @@ def write_report(path: Path, data: dict) -> str:
     return text
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     if args.report:
-        print(write_report(args.report, json.loads(args.report.read_text())))
+        print(write_report(args.report, results_schema.load(args.report).data))
         return 0
     env = common.environment()
-    path = common.results_dir(args.out_dir) / f"{common.results_stem(env, THEME)}.json"
-    data = json.loads(path.read_text()) if args.append and path.is_file() else {}
+    path = common.results_dir(args.out_dir) / f"{results_schema.stem(env, THEME)}.json"
+    data = results_schema.load(path).data if args.append and path.is_file() else {}
     runs = run_all(args)
     replaced = [name for name in runs if name in data]
     if replaced:
         print(f"replacing the earlier runs {', '.join(replaced)} in {path}", file=sys.stderr)
     data = {"recorded_by": RECORDED_BY, "env": env, **data, **runs}
-    common.write_json(path, data)
+    results_schema.write(path, data)
     print(write_report(path, data))
     return 1 if any("error" in run for run in runs.values()) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -291,6 +291,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     result = {"repro_123177": repro_123177, "matrix": matrix}[args.scenario](args)
     result["torch"] = torch.__version__
+    result["gpu"] = torch.cuda.get_device_name(0)  # with torch: which results file the run's record belongs to
     print(json.dumps(result), flush=True)
 
 

@@ -6,7 +6,7 @@
 #   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow"), then the gpu-scenarios results file
 #   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
-#   tools/gpu_evidence.sh fence      # the fence matrix
+#   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
 #   tools/gpu_evidence.sh throughput # one DFlash throughput cell: 0.6b shape, Trees
 #   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
 #
@@ -68,7 +68,10 @@ print("reduce-overhead replay matches eager")'
     step conformance python3 -m tests.conformance --jobs 4 --write benchmarks/results
     ;;
   fence)
-    step fence-matrix python3 -m benchmarks fence-matrix
+    export THREADGRAPH_GPU_LOG="$logs/records"
+    mkdir -p "$THREADGRAPH_GPU_LOG"
+    step gpu-fence-tests python3 -m pytest -q -m gpu -n 4 tests/library/test_gpu_fence.py
+    step fence-matrix python3 -m benchmarks fence-matrix "$THREADGRAPH_GPU_LOG"
     ;;
   throughput)
     step dflash-throughput python3 -m benchmarks dflash-throughput --target-shape 0.6b --cuda-graphs trees

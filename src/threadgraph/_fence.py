@@ -9,9 +9,9 @@ While a thread records a CUDA graph, the device is in a state other threads' eag
 - a device synchronisation (``torch.cuda.synchronize()``) from another thread is not permitted
   while a stream of the device captures, and it invalidates the capture too.
 
-Measured on an H200 (torch 2.11, ``benchmarks/fence_matrix.py``), the rest of everyday eager
-work is safe during another thread's capture and is left alone: stream and event
-synchronisation, host reads (``.item()``, ``.cpu()``, ``.tolist()``, ``.numpy()``, ``nonzero``,
+Measured on an H200 (torch 2.11, the fence matrix of ``tests/library/test_gpu_fence.py``), the
+rest of everyday eager work is safe during another thread's capture and is left alone: stream and
+event synchronisation, host reads (``.item()``, ``.cpu()``, ``.tolist()``, ``.numpy()``, ``nonzero``,
 printing), allocation and free, and ``torch.cuda.empty_cache()``. CUDAGraph Trees and
 ``capture_step`` capture with ``capture_error_mode="thread_local"``, which is what keeps those
 legal in other threads.

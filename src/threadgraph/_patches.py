@@ -148,8 +148,8 @@ PATCHES = [
 ]
 
 _FENCE_UNTIL = "upstream keeps capture mode out of other threads' generator use and syncs (not as of 2.15.0)"
-_RUN_FENCE = ("CPU tests on 2.13.0, 2.14.1, 2.15.0 against a simulated capture; GPU tests and benchmarks/fence_matrix.py "
-              "on 2.11.0 (NVIDIA H200)")
+_RUN_FENCE = ("CPU tests on 2.13.0, 2.14.1, 2.15.0 against a simulated capture; GPU tests, the fence matrix of "
+              "tests/library/test_gpu_fence.py among them, on 2.11.0 (NVIDIA H200)")
 _FENCE_SAME = ("the entry points are public API, unchanged in 2.13.0 - 2.15.0. 2.14 added a PyObject fast path to "
                "OpOverload.__call__ (`_pyobj_dispatcher`, which bypasses `_op`); torch enables it for "
                "torch.library custom ops only, so the ATen RNG overloads still call `_op`")

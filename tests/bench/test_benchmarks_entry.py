@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.__main__ import CHILD_SCRIPTS, COMMANDS  # noqa: E402
+from benchmarks.__main__ import ALIASES, CHILD_SCRIPTS, COMMANDS  # noqa: E402
 
 
 def entry(*args):
@@ -22,7 +22,8 @@ def runs_as_script(path: Path) -> bool:
 
 def test_every_script_of_the_folder_is_a_command_or_a_named_child():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__main__.py" and runs_as_script(p)}
-    assert scripts == set(COMMANDS.values()) | CHILD_SCRIPTS, scripts ^ (set(COMMANDS.values()) | CHILD_SCRIPTS)
+    named = {script for script, _ in COMMANDS.values()} | CHILD_SCRIPTS
+    assert scripts == named, scripts ^ named
 
 
 def test_help_lists_every_command_with_its_summary_and_imports_no_torch():
@@ -46,7 +47,19 @@ def test_an_unknown_name_is_one_line_with_exit_2():
 
 
 def test_a_command_runs_its_script_with_the_arguments_and_returns_its_status():
-    ok = entry("index", "--check")
-    assert ok.returncode == 0, ok.stderr
-    bad = entry("index", "--no-such-flag")
-    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr, bad.stderr
+    for name in ("index", "readme"):
+        ok = entry(name, "--check")
+        assert ok.returncode == 0, ok.stderr
+        bad = entry(name, "--no-such-flag")
+        assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr, bad.stderr
+
+
+def test_an_alias_runs_its_mode_and_says_nothing_more():
+    for alias, (script, first) in ALIASES.items():
+        assert script == "trainer_runs.py" and first[0] == "--mode"
+        through_alias, through_mode = entry(alias, "--help"), entry("trainer-runs", *first, "--help")
+        assert through_alias.returncode == through_mode.returncode == 0, through_alias.stderr
+        assert (through_alias.stdout, through_alias.stderr) == (through_mode.stdout, through_mode.stderr)
+        assert f"--mode {first[1]}" in through_alias.stdout
+    refused = entry("trainer-runs", "--mode", "nope")
+    assert refused.returncode == 2 and "--mode nope" in refused.stderr

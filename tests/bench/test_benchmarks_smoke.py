@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-def _dflash_skip_reason():
+def _require_trainer():
+    """Fail the calling test when the DFlash benchmarks cannot import the trainer they measure."""
     try:
         for name in ("examples.dflash_trainer.train", "examples.dflash_trainer.assets.assets", "transformers", "tokenizers"):
             importlib.import_module(name)
-    except Exception as exc:  # the trainer may be mid-rewrite; the replay benchmark still runs
-        return f"dflash_throughput.py cannot import its trainer modules: {type(exc).__name__}: {exc}"
-    return None
+    except Exception as exc:
+        pytest.fail(f"the DFlash benchmarks cannot import their trainer modules: {type(exc).__name__}: {exc}")
 
 
 def _env():
@@ -40,14 +40,12 @@ def _start(script, out_dir, *extra):
 def runs(tmp_path_factory):
     """Both scripts, started at once; each test waits for its own."""
     base = tmp_path_factory.mktemp("bench")
-    skip = _dflash_skip_reason()
-    procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay")}
-    if skip is None:
-        # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
-        # With the processes pipeline: 2 gloo ranks under torchrun.
-        procs["dflash"] = (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
-                           base / "dflash")
-    yield procs, skip
+    procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay"),
+             # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
+             # With the processes pipeline: 2 gloo ranks under torchrun.
+             "dflash": (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
+                        base / "dflash")}
+    yield procs
     for proc, _ in procs.values():
         if proc.poll() is None:
             proc.kill()
@@ -72,7 +70,7 @@ def _one(out_dir, pattern):
 
 
 def test_replay_step_time_quick(runs):
-    proc, out_dir = runs[0]["replay"]
+    proc, out_dir = runs["replay"]
     stdout = _finish(proc)
     assert "| configuration | mode |" in stdout
     rows = json.loads(_one(out_dir, "replay-small_cpu_torch*_????-??-??.json").read_text())["rows"]
@@ -87,9 +85,8 @@ def test_replay_step_time_quick(runs):
 
 
 def test_dflash_throughput_quick(runs):
-    procs, skip = runs
-    if skip:
-        pytest.skip(skip)
+    _require_trainer()
+    procs = runs
     proc, out_dir = procs["dflash"]
     stdout = _finish(proc)
     assert "threaded / sequential tokens/s" in stdout and "GPU-bound limit: not available (no CUDA" in stdout
@@ -127,9 +124,8 @@ def test_dflash_throughput_quick(runs):
 def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_path):
     """dflash_report.py FILE: a file this version wrote comes back byte for byte; one whose
     sequential cell ran on the threaded cell's cache loses its startup ratio."""
-    procs, skip = runs
-    if skip:
-        pytest.skip(skip)
+    _require_trainer()
+    procs = runs
     proc, out_dir = procs["dflash"]
     _finish(proc)
     written = _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json")
@@ -151,9 +147,8 @@ def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_
 
 
 def test_gil_profile_quick(runs, tmp_path):
-    procs, skip = runs
-    if skip:
-        pytest.skip(skip)
+    _require_trainer()
+    procs = runs
     for proc, _ in procs.values():  # after the other two: two cores
         proc.wait(timeout=300)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gil_profile.py"), "--quick", "--steps", "200", "--start-step", "30",
@@ -194,7 +189,7 @@ def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkey
 
 def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     """--gil-profile records the thread cells with py-spy; --render rebuilds the same report from the JSON."""
-    for proc, _ in runs[0].values():  # after the other scripts: two cores
+    for proc, _ in runs.values():  # after the other scripts: two cores
         proc.wait(timeout=300)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--quick", "--tasks", "train", "--modes",
            "eager", "--placements", "main,worker", "--gil-profile", "2", "--out-dir", str(tmp_path)]
@@ -264,8 +259,7 @@ def test_pyspy_summaries_from_raw_recordings(tmp_path):
 
 
 def test_gil_profile_keys_samples_by_what_the_worker_step_called():
-    if _dflash_skip_reason():
-        pytest.skip(_dflash_skip_reason())
+    _require_trainer()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     gil_profile = importlib.import_module("gil_profile")
     outer = ["_bootstrap (/usr/lib/threading.py:1002)", "run (/r/src/threadgraph/_worker.py:150)",
@@ -295,8 +289,8 @@ def test_gil_profile_keys_samples_by_what_the_worker_step_called():
     ("dflash_throughput", ["--devices", "tpu"], "--devices tpu"),
 ])
 def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, capsys, monkeypatch):
-    if _dflash_skip_reason() and script == "dflash_throughput":
-        pytest.skip(_dflash_skip_reason())
+    if script == "dflash_throughput":
+        _require_trainer()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     module = importlib.import_module(script)
     monkeypatch.setattr(module.common, "on_gpu", lambda: False)
@@ -318,14 +312,12 @@ def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
     report = importlib.import_module("dflash_report")
     path = tmp_path / "dflash-throughput-old_cpu_torch2.13.0_2026-11-01.json"
     path.write_text(json.dumps({"config": {"max_steps": 10}, "threaded": {}, "sequential": {}, "env": {"gpu": None}}))
-    with pytest.raises(SystemExit, match=r"dflash-throughput-old_cpu.*not a dflash_throughput results file this version "
-                                         r"can re-render .*KeyError: 'shape'"):
+    with pytest.raises(SystemExit, match=r"not a dflash_throughput results file: dflash-throughput-old_cpu\S*: shape: missing"):
         report.rerender(path)
 
 
 def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsys, monkeypatch):
-    if _dflash_skip_reason():
-        pytest.skip(_dflash_skip_reason())
+    _require_trainer()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     module = importlib.import_module("dflash_throughput")
     from examples.dflash_trainer.assets import shapes

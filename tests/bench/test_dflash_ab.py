@@ -1,4 +1,5 @@
-"""benchmarks/dflash_ab.py: source trees run in turns, each run's figures listed in the order they ran."""
+"""python -m benchmarks trainer-runs --mode ab (benchmarks/dflash_ab.py): source trees run in
+turns, each run's figures listed in the order they ran."""
 
 import importlib
 import json
@@ -11,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 dflash_ab = importlib.import_module("dflash_ab")
-results_index = importlib.import_module("results_index")
+headlines = importlib.import_module("headlines")
 
 # A stand-in for a tree's dflash_throughput.py: writes a results file whose figures say which tree
 # ran, in which turn, with which arguments and Inductor cache; tree "broken" fails, tree "half" has
@@ -59,7 +60,7 @@ def test_trees_run_in_turns_and_the_summary_keeps_their_order(tmp_path, capsys):
     assert seen["args_seen"] == ["--out-dir", str(work / "b-2"), "--cuda-graphs", "whole-step"]
     assert seen["cache"] == str(work / "inductor-cache-b")
     assert "| a-2 | a | 3000 | 2000 | 1.50 | 2.500 | - | - |" in capsys.readouterr().out
-    rows = results_index.dflash_ab(summary)
+    rows = headlines.dflash_ab(summary)
     assert rows[0] == ("default target, whole-step: tree a, 2 runs",
                        "threaded 1 - 3k tokens/s, sequential 2k; sequential host 0.50 - 2.50 ms/batch")
     again = tmp_path / "again"

@@ -14,7 +14,7 @@ from tests import gpu_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the script runs
 collector = importlib.import_module("gpu_scenarios_results")
-results_index = importlib.import_module("results_index")
+headlines = importlib.import_module("headlines")
 
 NOON = 1764590400  # 2025-12-01 12:00 UTC
 MANY = {"together_steps_per_s": 1600.0, "eager_steps_per_s": 150.0, "losses_allclose": [True] * 8,
@@ -66,7 +66,7 @@ def test_a_run_becomes_a_phase_of_its_days_file_with_failures_and_test_outcomes(
     assert phase["whole_step_steps_200"] == {"error": "exit 1: RuntimeError: capture failed", "seconds": 3.0}
     assert phase["pytest_outcomes"] == {"tests.library.test_gpu::test_many": "passed",
                                         "tests.library.test_gpu::test_whole_step": "failure: exit 1"}
-    assert results_index.gpu_scenarios(data) == [
+    assert headlines.gpu_scenarios(data) == [
         ("8 training workers on one GPU, 200 steps (suite)", "1600 steps/s against 150 for eager threads; 8 of 8 equal to alone"),
         ("one worker, step p50 (suite)", "failed: exit 1: RuntimeError: capture failed")]
     md = path.with_suffix(".md").read_text()

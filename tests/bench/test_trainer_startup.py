@@ -1,4 +1,4 @@
-"""benchmarks/trainer_startup.py: each run in a process of its own, on an empty Inductor cache (the
+"""python -m benchmarks trainer-runs --mode startup (benchmarks/trainer_startup.py): each run in a process of its own, on an empty Inductor cache (the
 restart on the Trees run's), its --json line kept whole with Dynamo's recompilations counted; a
 failed run is recorded and the others still run. A stand-in trainer prints what the real one would."""
 
@@ -9,6 +9,8 @@ import textwrap
 import pytest
 
 sys.path.insert(0, "benchmarks")
+import trainer_process  # noqa: E402
+import trainer_runs  # noqa: E402
 import trainer_startup  # noqa: E402
 
 FAKE_TRAINER = textwrap.dedent("""
@@ -29,6 +31,8 @@ FAKE_TRAINER = textwrap.dedent("""
     print("progress on stdout that is not the result")
     result = {"startup_s": 3.0 if warm else 9.0, "build_s": 1.0, "workers": workers, "mode": graphs,
               "eval": {"tau": 2.5}, "tokens_per_s_steady": 1000.0, "args": args, "warm": warm,
+              "baseline": {"tau_random_init": 1.0, "tau_repeat_last_token": 1.1}, "total_steps": 20,
+              "placement": "targets cpu, drafters cpu",
               "target_report": {"versions": {"python": "3.11.7", "torch": "2.13.0+cpu"}}}
     if os.environ.get("SHORT"):  # too few steps for a steady window, no eval, a target given by path
         del result["eval"], result["tokens_per_s_steady"], result["target_report"]
@@ -40,7 +44,7 @@ FAKE_TRAINER = textwrap.dedent("""
 def fake(tmp_path, monkeypatch):
     script = tmp_path / "trainer.py"
     script.write_text(FAKE_TRAINER)
-    monkeypatch.setattr(trainer_startup, "TRAINER", [sys.executable, str(script)])
+    monkeypatch.setattr(trainer_process, "TRAINER", [sys.executable, str(script)])
     out = tmp_path / "out"
     return out
 
@@ -51,7 +55,7 @@ def _results(out):
 
 
 def test_each_run_starts_cold_but_the_restart_which_reuses_the_trees_cache(fake, capsys):
-    assert trainer_startup.main(["--out-dir", str(fake), "--label", "after X", "--", "--max-steps", "20"]) == 0
+    assert trainer_runs.main(["--mode", "startup", "--out-dir", str(fake), "--label", "after X", "--", "--max-steps", "20"]) == 0
     path, data = _results(fake)
     runs = trainer_startup.runs_of(data)
     assert list(runs) == ["Trees after X, empty Inductor cache", "whole-step after X, empty Inductor cache",

@@ -1,6 +1,7 @@
-"""benchmarks/readme_tables.py: the generated sections of README.md, docs/results.md and the trainer's
-README are a function of the committed results; the README stays one screen, keeps .ci/run's test
-command, and every relative link of the pages points to a file that exists."""
+"""python -m benchmarks readme (benchmarks/render.py): the generated sections of README.md,
+docs/results.md and the trainer's README are a function of the committed results; the README
+stays one screen, keeps .ci/run's test command, and every relative link of the pages points to a
+file that exists."""
 
 import importlib
 import json
@@ -12,11 +13,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-readme_tables = importlib.import_module("readme_tables")
+render = importlib.import_module("render")
+
+
+def render_readme(argv):
+    """python -m benchmarks readme ARGV."""
+    return render.main(["readme", *argv])
 
 
 def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", sequential_cache=None):
-    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"},
+    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"}, "args": {}, "threaded": {},
             "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
             "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
             "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5, "startup_ratio": 2.0,
@@ -59,9 +65,9 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     toy = _result(results, "default", "whole-step", "2026-12-01", 700_000.0)
     readme = _readme(tmp_path)
     argv = _argv(results, readme)
-    assert readme_tables.main(argv) == 0
+    assert render_readme(argv) == 0
     first = readme.read_text()
-    assert readme_tables.main(argv) == 0 and readme.read_text() == first
+    assert render_readme(argv) == 0 and readme.read_text() == first
     table = first.split("<!-- dflash-table:begin -->")[1].split("<!-- dflash-table:end -->")[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 2
@@ -70,14 +76,14 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert "| 41.0 | 20.5 | 2.00 |" in rows[1]  # startup threaded, sequential, and their ratio
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
     assert "No tau reproducibility results yet" in first
-    assert readme_tables.main(argv + ["--check"]) == 0
+    assert render_readme(argv + ["--check"]) == 0
     run = {"tau": 2.45, "tau_random_init": 1.01, "tau_repeat_last_token": 1.12, "steps": 256}
     (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
         {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0"}, "bit_identical": True,
          "differing_files": [], "tau": {"min": 2.45, "max": 2.45},
          "builds": [{"run": run, "report": BUILD_REPORT}, {"run": run}, {"run": None}]}))
-    assert readme_tables.main(argv + ["--check"]) == 1
-    readme_tables.main(argv)
+    assert render_readme(argv + ["--check"]) == 1
+    render_readme(argv)
     tau = readme.read_text().split("<!-- dflash-tau:begin -->")[1]
     assert "3 fresh builds" in tau and "bit-identical" in tau and "tau 2.450" in tau and "1.010" in tau and "1.120" in tau
     assert ("a 1.71M-parameter Qwen3 target (6 layers, hidden 128, vocabulary 2000) trained on Python's standard "
@@ -89,11 +95,11 @@ def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
     results.mkdir()
     readme = _readme(tmp_path)
     argv = _argv(results, readme)
-    assert readme_tables.main(argv + ["--check"]) == 1  # "old" is not what no results give
-    readme_tables.main(argv)
-    assert "No results yet" in readme.read_text() and readme_tables.main(argv + ["--check"]) == 0
+    assert render_readme(argv + ["--check"]) == 1  # "old" is not what no results give
+    render_readme(argv)
+    assert "No results yet" in readme.read_text() and render_readme(argv + ["--check"]) == 0
     _result(results, "8b", "whole-step", "2026-12-02", 300_000.0)
-    assert readme_tables.main(argv + ["--check"]) == 1
+    assert render_readme(argv + ["--check"]) == 1
     assert readme.read_text().count("No results yet") == 1  # --check never writes
 
 
@@ -107,7 +113,7 @@ def test_a_sequential_startup_on_the_threaded_cells_cache_is_marked_and_given_no
         data["sequential"] = {}
         (results / name).write_text(json.dumps(data))
     readme = _readme(tmp_path)
-    assert readme_tables.main(_argv(results, readme)) == 0
+    assert render_readme(_argv(results, readme)) == 0
     row = next(line for line in readme.read_text().splitlines() if "Qwen3-8B shape" in line)
     assert "| 41.0 | 20.5 (on the threaded cell's cache) | - (not comparable) |" in row
 
@@ -123,7 +129,7 @@ def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_
     (results / "gpu-scenarios_nvidia-h200_torch2.11.0_2026-11-29.json").write_text(json.dumps(
         {"lanes (before the fixes)": {"many_workers_8_steps_1000": many}, "recheck": {"many_workers_8_steps_1000": fixed}}))
     readme = _readme(tmp_path)
-    assert readme_tables.main(_argv(results, readme)) == 0
+    assert render_readme(_argv(results, readme)) == 0
     section = readme.read_text().split("<!-- results-headlines:begin -->")[1].split("<!-- results-headlines:end -->")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 2, rows
@@ -133,7 +139,7 @@ def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_
 
 
 def test_the_committed_readme_is_what_the_committed_results_give():
-    assert readme_tables.main(["--check"]) == 0
+    assert render_readme(["--check"]) == 0
 
 
 def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
@@ -142,7 +148,7 @@ def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
     for shape in ("14b", "8b", "default", "0.6b", "32b"):
         _result(results, shape, "whole-step", "2026-12-01", 100_000.0)
     _result(results, "8b", "trees", "2026-12-01", 100_000.0)
-    order = [(data["shape"], data["graphs"]) for data, _ in readme_tables.newest_runs(results)]
+    order = [(run.data["shape"], run.data["graphs"]) for run in render.newest_runs(results)]
     assert order == [("default", "whole-step"), ("0.6b", "whole-step"), ("8b", "trees"), ("8b", "whole-step"),
                      ("14b", "whole-step"), ("32b", "whole-step")]
 
@@ -155,7 +161,7 @@ def test_the_peak_memory_column_sets_the_measured_peak_beside_the_estimate(tmp_p
     (results / measured).write_text(json.dumps({**data, "peak_memory_gib_threaded": 134.47, "memory_estimate_gib": 109.2}))
     _result(results, "14b", "trees", "2026-12-01", 16_000.0)  # written before peaks were recorded
     readme = _readme(tmp_path)
-    assert readme_tables.main(_argv(results, readme)) == 0
+    assert render_readme(_argv(results, readme)) == 0
     rows = {line.split(" | ")[0]: line for line in readme.read_text().splitlines() if "shape, random init" in line}
     assert "| 6.6 | 134 (109) | [" in rows["| Qwen3-32B shape, random init (0.44B params)"]
     assert "| 6.6 | - (not recorded) | [" in rows["| Qwen3-14B shape, random init (0.44B params)"]
@@ -241,17 +247,17 @@ def test_the_readme_headlines_link_their_files_from_every_page_and_say_whether_t
     _result(results, "default", "whole-step", "2026-12-01", 135_000.0)  # 0.54x
     best = _result(results, "0.6b", "trees", "2026-12-02", 260_000.0)  # 1.04x
     argv = ["--results", str(results), "--root", str(root)]
-    assert readme_tables.main(argv) == 0
+    assert render_readme(argv) == 0
     section = (root / "README.md").read_text().split("<!-- readme-headlines:begin -->")[1].split("<!-- readme-headlines:end -->")[0]
     dflash = next(line for line in section.splitlines() if "DFlash" in line)
-    assert "0.54 - 1.04x" in dflash and f"aim was {readme_tables.TARGET_RATIO}x, not met" in dflash and best in dflash
+    assert "0.54 - 1.04x" in dflash and f"aim was {render.TARGET_RATIO}x, not met" in dflash and best in dflash
     for page in ("README.md", "docs/results.md", "examples/dflash_trainer/README.md"):
         links = _links(root / page)
         assert all((root / page).parent.joinpath(link).resolve().exists() for link in links), (page, links)
     assert _links(root / "README.md") and _links(root / "docs" / "results.md")
     _result(results, "8b", "whole-step", "2026-12-03", 400_000.0)  # 1.60x
-    assert readme_tables.main(argv + ["--check"]) == 1
-    readme_tables.main(argv)
+    assert render_readme(argv + ["--check"]) == 1
+    render_readme(argv)
     assert "0.54 - 1.60x" in (root / "README.md").read_text() and ", met by some (" in (root / "README.md").read_text()
 
 
@@ -266,8 +272,8 @@ def test_tau_and_the_build_time_are_given_as_ranges_with_what_they_depend_on(tmp
                                "target_report": {"versions": {"python": python, "transformers": "5.17.0"}}}
     (results / "dflash-trainer-startup_nvidia-h200_torch2.11.0_2026-12-02.json").write_text(json.dumps(startup))
     argv = ["--results", str(results), "--root", str(root)]
-    assert readme_tables.main(argv + ["--check"]) == 1  # the trainer README's "old"
-    assert readme_tables.main(argv) == 0 and readme_tables.main(argv + ["--check"]) == 0
+    assert render_readme(argv + ["--check"]) == 1  # the trainer README's "old"
+    assert render_readme(argv) == 0 and render_readme(argv + ["--check"]) == 0
     text = (root / "examples" / "dflash_trainer" / "README.md").read_text()
     lines = text.split("<!-- dflash-measured:begin -->")[1].split("<!-- dflash-measured:end -->")[0].strip().splitlines()
     cpu_tau, build, *gpu = lines

@@ -1,39 +1,19 @@
-"""Write benchmarks/results/README.md: one row per headline of every results JSON, latest first.
-
-    python -m benchmarks index            # rewrite the index from benchmarks/results/*.json
-    python -m benchmarks index --check    # exit 1 when the index is stale or a name breaks the rule
-
-Every file in the folder must be named `<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.<ext>`
-(common.results_stem); the theme picks the headline extractor below.
-"""
+"""The headline figures of each results theme: ``(configuration, figure)`` pairs, one sentence
+each, that the results index, docs/results.md and the README quote (render.py). JSON only, no torch."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
-from pathlib import Path
 from typing import Optional
 
-from dflash_results import RESTART, startup_comparable
+from results_schema import family, startup_comparable, trainer_runs_of
 
-RESULTS = Path(__file__).resolve().parent / "results"
-INDEX = "README.md"
-NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<hardware>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
-                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}
-
-
-def recency(file_name: str) -> tuple:
-    """Sort key of a results file, newest last: its date, then a GPU's run before a CPU's of that
-    date, then the torch version (as numbers: 2.11 after 2.9), then the name."""
-    name = NAME.match(file_name)
-    if name is None:
-        return "", False, (), file_name
-    version = tuple(int(part) for part in re.findall(r"\d+", name["torch"])[:3])
-    return name["date"], name["hardware"] != "cpu", version, file_name
+# What the threaded 5 target + 3 drafter pipeline was aimed to reach in tokens/s over the sequential
+# colocated loop (benchmarks/README.md, Targets).
+TARGET_RATIO = 1.5
+RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
 
 
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
@@ -64,8 +44,8 @@ def replay(data: dict) -> list:
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     gpus = len(data["sequential"].get("devices", [])) or 1
-    figure = (f"threaded {data['threaded']['tokens_per_s'] / 1e3:.0f}k tokens/s, sequential "
-              f"{data['sequential']['tokens_per_s'] / 1e3:.0f}k: {data['ratio']:.2f}x")
+    figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
+              f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
     if data.get("gpu_bound_tokens_per_s"):
         figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
     if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
@@ -73,6 +53,15 @@ def dflash_throughput(data: dict) -> list:
                    + ("" if startup_comparable(data["sequential"]) else f" ({RESTART})"))
     target = f"{data['shape']} target, " if "shape" in data else ""
     return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
+
+
+def _kilo(value) -> str:
+    """Thousands, as the headlines give tokens/s; '-' for a figure a failed cell left out."""
+    return "-" if value is None else f"{value / 1e3:.0f}k"
+
+
+def _fixed(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def dflash_ab(data: dict) -> list:
@@ -101,7 +90,7 @@ def _trainer_run(name: str, run: dict) -> tuple:
     base = run["baseline"]
     return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {gpus} GPU{'s' if gpus > 1 else ''}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
-            f"{base['tau_repeat_last_token']:.2f}); {run['tokens_per_s_steady'] / 1e3:.0f}k tokens/s"
+            f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s"
             + _startup(run))
 
 
@@ -114,9 +103,7 @@ def _startup(run: dict) -> str:
 
 def dflash_trainer(data: dict) -> list:
     """A trainer's --json output, or several runs under names (plus resume comparisons)."""
-    if "losses" in data:
-        return [_trainer_run("", data)]
-    out = [_trainer_run(f"{name}: ", run) for name, run in data.items() if isinstance(run, dict) and "eval" in run]
+    out = [_trainer_run(f"{name}: " if name else "", run) for name, run in trainer_runs_of(data).items()]
     for name, pair in data.get("resume", {}).items():
         full, rest = pair.get("uninterrupted"), pair.get("resumed_from_50")
         if full and rest:
@@ -132,21 +119,31 @@ def gil_profile(data: dict) -> list:
 
 
 def fence_matrix(data: dict) -> list:
+    """The repro's runs and the matrix's cells; a run or cell whose process printed no result
+    (``rc`` non-zero, no figures) counts as neither clean nor silent."""
     def clean(run):
-        return not run["errors"] and run["finished"] == run["threads"] and run["all_equal"]
+        return not run.get("errors") and run.get("threads") is not None and run.get("finished") == run["threads"] \
+            and bool(run.get("all_equal"))
 
     def erred(cell):
-        return cell["group_error"] is not None or any(s["errors"] for s in cell["ops_stats"].values())
+        return "ops_stats" not in cell or cell.get("group_error") is not None \
+            or any(s["errors"] for s in cell["ops_stats"].values())
 
     out = []
     repro = data["repro"]
     out.append(("pytorch#123177 repro, fenced", f"{sum(map(clean, repro['fenced']))} of {len(repro['fenced'])} runs clean"))
-    out.append(("pytorch#123177 repro, unfenced", f"{sum(bool(r['errors']) for r in repro['unfenced'])} of "
+    out.append(("pytorch#123177 repro, unfenced", f"{sum(bool(r.get('errors')) for r in repro['unfenced'])} of "
                 f"{len(repro['unfenced'])} runs raised"))
     for variant in ("fenced", "unfenced"):
-        cells = [c for c in data["cells"] if c["variant"] == variant]
+        cells = [c for c in data["cells"] if fence_variant(c) == variant]
         out.append((f"eager ops beside captures, {variant}", f"{sum(map(erred, cells))} of {len(cells)} cells raised"))
     return out
+
+
+def fence_variant(cell: dict) -> str:
+    """A fence scenario's variant: its result's, else its arguments' (a run that printed no result)."""
+    args = cell.get("args", [])
+    return cell.get("variant") or (args[args.index("--variant") + 1] if "--variant" in args else "fenced")
 
 
 def fence_overhead(data: dict) -> list:
@@ -212,63 +209,5 @@ EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-
 
 
 def extractor(theme: str):
-    """Longest prefix wins: `replay-dflash-gil` is a replay file, `dflash-throughput-0.6b-trees` a throughput one."""
-    for prefix in sorted(EXTRACTORS, key=len, reverse=True):
-        if theme == prefix or theme.startswith(prefix + "-"):
-            return EXTRACTORS[prefix]
-    raise ValueError(f"no headline extractor for theme {theme!r}: add one to benchmarks/results_index.py")
-
-
-# -- the index ------------------------------------------------------------------------------------
-
-def misnamed(folder: Path) -> list:
-    return sorted(p.name for p in folder.iterdir() if p.name != INDEX and not NAME.match(p.name))
-
-
-def render(folder: Path) -> str:
-    rows = []
-    for path in folder.glob("*.json"):
-        name = NAME.match(path.name)
-        if name is None:
-            continue  # reported by misnamed()
-        for configuration, figure in extractor(name["theme"])(json.loads(path.read_text())):
-            rows.append((name["date"], name["theme"], configuration, figure, name["hardware"], name["torch"], path.name))
-    # latest first; within a date by theme and file, each file's rows in its extractor's order
-    rows.sort(key=lambda r: (r[1], r[6]))
-    rows.sort(key=lambda r: r[0], reverse=True)
-    lines = ["# Benchmark results", "",
-             "Generated by `python -m benchmarks index` from the JSON in this folder (do not edit;",
-             "`--check` fails when it is stale). One row per headline, latest first; the file's `.md` has the",
-             "full report. Older runs are in git history.", "",
-             "| date | benchmark | configuration | figure | GPU | torch | file |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {date} | {theme} | {config} | {figure} | {gpu} | {torch} | `{file}` |"
-              for date, theme, config, figure, gpu, torch, file in rows]
-    reports = sorted((p for p in folder.glob("*.md") if p.name != INDEX and not p.with_suffix(".json").exists()),
-                     key=lambda p: (NAME.match(p.name)["date"], p.name), reverse=True)
-    if reports:  # notes written by hand about several runs: nothing to extract, still worth finding
-        lines += ["", "Reports without a JSON of their own: " + ", ".join(f"`{p.name}`" for p in reports) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the index differs from a fresh one")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder (default: %(default)s)")
-    args = parser.parse_args(argv)
-    bad = misnamed(args.results)
-    if bad:
-        print("not named <theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}: " + ", ".join(bad), file=sys.stderr)
-        return 1
-    text, index = render(args.results), args.results / INDEX
-    if args.check:
-        if not index.exists() or index.read_text() != text:
-            print(f"{index} is stale: run python -m benchmarks index", file=sys.stderr)
-            return 1
-        return 0
-    index.write_text(text)
-    print(f"wrote {index}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """The extractor of a theme's family (results_schema.family: ``replay-dflash-gil`` is a replay file)."""
+    return EXTRACTORS[family(theme)]

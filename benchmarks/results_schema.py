@@ -1,0 +1,237 @@
+"""The results files of benchmarks/results/: their names, the fields each theme's JSON must hold,
+and the one way to read and write them.
+
+A results file is named ``<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}``: its
+header (theme, machine, torch, date) is in the name, for every file old or new. Where the JSON also
+records them (``env``, or top-level ``torch`` / ``date`` / ``gpu`` / ``machine`` in files without
+an ``env``), they must agree with the name. Each theme's JSON must hold the fields its renderers
+read (``THEMES``); a file that does not is refused with one error naming the file and the field.
+
+``load`` reads and checks one file, ``load_folder`` every JSON of a folder (newest last), ``write``
+checks and writes one. No torch import: the renderers read JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+RESULTS = Path(__file__).resolve().parent / "results"
+INDEX = "README.md"  # the folder's index, the one file not named by the rule
+NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<machine>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
+                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
+RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}"
+
+# A dflash-throughput cell's ``inductor_cache``: the cache it started on.
+EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
+
+
+class ResultsError(ValueError):
+    """A results file that breaks the schema: its name, the field and what is wrong."""
+
+    def __init__(self, file: str, field: str, problem: str) -> None:
+        super().__init__(f"{file}: {field}: {problem}")
+        self.file, self.field = file, field
+
+
+class Name(NamedTuple):
+    theme: str
+    machine: str
+    torch: str
+    date: str
+    ext: str
+
+
+def parse_name(file_name: str) -> Optional[Name]:
+    found = NAME.match(file_name)
+    return Name(*found.group("theme", "machine", "torch", "date", "ext")) if found else None
+
+
+def stem(env: dict, theme: str) -> str:
+    """``<theme>_<gpu-or-cpu>_torch<ver>_<YYYY-MM-DD>`` of a run on ``env`` (common.environment())."""
+    return f"{theme}_{machine_of(env.get('gpu'))}_torch{env['torch'].split('+')[0]}_{env['date']}"
+
+
+def machine_of(gpu: Optional[str]) -> str:
+    """A GPU's name as file names write it (``NVIDIA H200`` -> ``nvidia-h200``); ``cpu`` without one."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") if gpu else "cpu"
+
+
+def recency(file_name: str) -> tuple:
+    """Sort key of a results file, newest last: its date, then a GPU's run before a CPU's of that
+    date, then the torch version (as numbers: 2.11 after 2.9), then the name."""
+    name = parse_name(file_name)
+    if name is None:
+        return "", False, (), file_name
+    version = tuple(int(part) for part in re.findall(r"\d+", name.torch)[:3])
+    return name.date, name.machine != "cpu", version, file_name
+
+
+# -- the fields of each theme ------------------------------------------------------------------------
+
+NUMBER = (int, float)
+OPTIONAL_NUMBER = (int, float, type(None))
+# theme family -> {field: type(s)}; a theme belongs to the longest family it equals or starts
+# with followed by '-' (``replay-dflash-gil`` is a replay file). "rows[]" checks each entry of a list.
+THEMES: dict[str, dict[str, Any]] = {
+    "replay": {"env": dict, "rows": list, "rows[]": {"task": str, "placement": str, "mode": str}},
+    "dflash-throughput": {"env": dict, "shape": str, "graphs": str, "args": dict, "threaded": dict,
+                          "sequential": dict, "ratio": OPTIONAL_NUMBER},
+    "dflash-ab": {"env": dict, "shape": str, "graphs": str, "runs": list, "trees": dict},
+    "dflash-trainer": {},  # one trainer --json output, or runs under names: checked by trainer_runs_of
+    "dflash-tau-reproducibility": {"env": dict, "builds": list, "bit_identical": bool, "differing_files": list,
+                                   "tau": dict},
+    "gil-profile": {"env": dict, "args": dict, "gil_busy": NUMBER, "tokens_per_s_steady": OPTIONAL_NUMBER},
+    "fence-matrix": {"cells": list, "repro": dict},
+    "fence-overhead": {"rows": list, "rows[]": {"task": str, "workers": int, "fenced_p50_ms": NUMBER,
+                                                "unfenced_p50_ms": NUMBER, "ratio_fenced_over_unfenced": NUMBER}},
+    "install-overhead": {"env": dict, "summary": dict},
+    "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
+    "gpu-scenarios": {},  # phases by label, each a dict: checked below
+}
+TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
+
+
+def family(theme: str) -> str:
+    """The family of THEMES a theme belongs to; a theme of none is refused."""
+    for prefix in sorted(THEMES, key=len, reverse=True):
+        if theme == prefix or theme.startswith(prefix + "-"):
+            return prefix
+    raise KeyError(f"no results theme {theme!r}: add its fields to THEMES in benchmarks/results_schema.py "
+                   "and its headlines to benchmarks/headlines.py")
+
+
+def _kind(types) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+
+
+def _check_fields(file: str, data: dict, fields: dict, where: str = "") -> None:
+    for field, types in fields.items():
+        if field.endswith("[]"):
+            for i, entry in enumerate(data[field[:-2]]):
+                if not isinstance(entry, dict):
+                    raise ResultsError(file, f"{where}{field[:-2]}[{i}]", f"expected an object, found {type(entry).__name__}")
+                _check_fields(file, entry, types, f"{where}{field[:-2]}[{i}].")
+            continue
+        if field not in data:
+            raise ResultsError(file, where + field, "missing")
+        value, allowed = data[field], types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # True is an int too
+            raise ResultsError(file, where + field, f"expected {_kind(types)}, found {type(value).__name__}")
+
+
+def trainer_runs_of(data: dict) -> dict:
+    """A dflash-trainer file's runs by name: a trainer's --json output is one run named ''; else the
+    entries that hold an ``eval`` (the others, such as ``env`` and ``resume``, say how they were made)."""
+    if "losses" in data:
+        return {"": data}
+    return {name: run for name, run in data.items() if isinstance(run, dict) and "eval" in run}
+
+
+def _check_header(file: str, name: Name, data: dict) -> None:
+    """What the JSON says of its machine, torch and date agrees with its name. An ``env`` says it
+    as common.environment() does (``gpu`` None on a CPU); a file without one may say it at the top."""
+    env = data.get("env") if isinstance(data.get("env"), dict) else None
+    source, where = (env, "env.") if env is not None else (data, "")
+    machine_key = "gpu" if env is not None else next((k for k in ("machine", "gpu") if data.get(k)), None)
+    stored = {"torch": source.get("torch"), "date": source.get("date")}
+    if machine_key is not None and machine_key in source:
+        stored[machine_key] = machine_of(source[machine_key])
+    for field, value in stored.items():
+        if value is None:
+            continue
+        value, expected = str(value), getattr(name, "machine" if field in ("gpu", "machine") else field)
+        if (value.split("+")[0] if field == "torch" else value) != expected:
+            raise ResultsError(file, where + field, f"says {value!r}, the file's name {expected!r}")
+
+
+def validate(file_name: str, data: Any) -> Name:
+    """Check a results JSON against its name's theme; its header (from the name) when it passes."""
+    name = parse_name(file_name)
+    if name is None or name.ext != "json":
+        raise ResultsError(file_name, "name", f"not {RULE.replace('{json,md,png}', 'json')}")
+    if not isinstance(data, dict):
+        raise ResultsError(file_name, "(top level)", f"expected an object, found {type(data).__name__}")
+    try:
+        kind = family(name.theme)
+    except KeyError as exc:
+        raise ResultsError(file_name, "theme", exc.args[0]) from None
+    _check_fields(file_name, data, THEMES[kind])
+    if kind == "dflash-trainer":
+        for run_name, run in trainer_runs_of(data).items():
+            _check_fields(file_name, run, TRAINER_RUN, f"{run_name}." if run_name else "")
+    if kind == "gpu-scenarios":
+        for label, phase in data.items():
+            if not isinstance(phase, dict):
+                raise ResultsError(file_name, label, f"expected a phase (an object), found {type(phase).__name__}")
+    _check_header(file_name, name, data)
+    return name
+
+
+@dataclass(frozen=True)
+class Results:
+    """One checked results file: its header (from the name) and its JSON."""
+    path: Path
+    theme: str
+    machine: str
+    torch: str
+    date: str
+    data: dict
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def env(self) -> dict:
+        """The run's environment; files without one get what their name says."""
+        return self.data.get("env") or {"machine": self.machine, "torch": self.torch, "date": self.date}
+
+
+def load(path: Path) -> Results:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ResultsError(path.name, "(file)", f"not JSON ({exc})") from None
+    name = validate(path.name, data)
+    return Results(path, name.theme, name.machine, name.torch, name.date, data)
+
+
+def load_folder(folder: Path) -> list[Results]:
+    """Every results JSON of a folder, checked, oldest first (``recency``)."""
+    return [load(p) for p in sorted(Path(folder).glob("*.json"), key=lambda p: recency(p.name))]
+
+
+def newest(folder: Path, theme: str) -> Optional[Results]:
+    """The newest file of exactly ``theme``, or None."""
+    found = [p for p in Path(folder).glob(f"{theme}_*.json") if (n := parse_name(p.name)) and n.theme == theme]
+    return load(max(found, key=lambda p: recency(p.name))) if found else None
+
+
+def misnamed(folder: Path) -> list[str]:
+    """Files of a results folder that break the naming rule (its index aside)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name != INDEX and parse_name(p.name) is None)
+
+
+def write(path: Path, data: dict) -> Path:
+    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent)."""
+    path = Path(path)
+    validate(path.name, json.loads(json.dumps(data, default=str)))
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+def inductor_cache(cell: dict) -> str:
+    """The Inductor cache a dflash-throughput cell started on, also for files from before per-cell
+    caches (which came with ``compile_phases_s``), whose sequential cell ran on the threaded cell's cache."""
+    return cell.get("inductor_cache", EMPTY if "compile_phases_s" in cell else SHARED)
+
+
+def startup_comparable(sequential: dict) -> bool:
+    """Whether the sequential cell's startup is a first run's, as the threaded cell's always is: it
+    started on an empty Inductor cache of its own (``inductor_cache``)."""
+    return inductor_cache(sequential) == EMPTY

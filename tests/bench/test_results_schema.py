@@ -1,0 +1,113 @@
+"""benchmarks/results_schema.py: every committed results file loads; a file that breaks its
+theme's fields or disagrees with its own name is refused with one error naming the file and the
+field, on reading and before writing; the header of a file without one comes from its name."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+schema = importlib.import_module("results_schema")
+
+ENV = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "date": "2026-12-01", "cpus": 16}
+AB = {"env": ENV, "shape": "default", "graphs": "trees", "runs": [], "trees": {}}
+AB_NAME = "dflash-ab-default-trees_nvidia-h200_torch2.11.0_2026-12-01.json"
+
+
+def test_every_committed_results_file_loads_with_its_header():
+    files = sorted(schema.RESULTS.glob("*.json"))
+    loaded = schema.load_folder(schema.RESULTS)
+    assert len(loaded) == len(files) > 10
+    assert {r.name for r in loaded} == {p.name for p in files}
+    assert not schema.misnamed(schema.RESULTS)
+
+
+def test_a_file_without_an_env_gets_its_header_from_its_name(tmp_path):
+    path = tmp_path / "gpu-scenarios_nvidia-h200_torch2.11.0_2026-12-02.json"
+    path.write_text(json.dumps({"suite (00:06 UTC)": {"many_workers_8_steps_200": {"error": "x"}}}))
+    loaded = schema.load(path)
+    assert (loaded.theme, loaded.machine, loaded.torch, loaded.date) == ("gpu-scenarios", "nvidia-h200", "2.11.0", "2026-12-02")
+    assert loaded.env == {"machine": "nvidia-h200", "torch": "2.11.0", "date": "2026-12-02"}
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.pop("trees"), "trees"),
+    (lambda d: d.update(shape=3), "shape"),
+    (lambda d: d.update(runs=None), "runs"),
+    (lambda d: d["env"].update(date="2026-12-02"), "env.date"),
+    (lambda d: d["env"].update(torch="2.12.0"), "env.torch"),
+    (lambda d: d["env"].update(gpu="NVIDIA A100"), "env.gpu"),
+])
+def test_a_broken_file_is_one_error_naming_the_file_and_the_field(tmp_path, change, field):
+    data = json.loads(json.dumps(AB))
+    change(data)
+    path = tmp_path / AB_NAME
+    path.write_text(json.dumps(data))
+    with pytest.raises(schema.ResultsError) as error:
+        schema.load(path)
+    assert error.value.file == AB_NAME and error.value.field == field
+    assert str(error.value).startswith(f"{AB_NAME}: {field}: ")
+
+
+def test_entries_of_a_list_and_the_runs_of_a_trainer_file_are_checked(tmp_path):
+    rows = tmp_path / "replay-small_cpu_torch2.13.0_2026-12-01.json"
+    rows.write_text(json.dumps({"env": {"gpu": None, "torch": "2.13.0", "date": "2026-12-01"}, "rows": [{"task": "train"}]}))
+    with pytest.raises(schema.ResultsError, match=r"rows\[0\]\.placement: missing"):
+        schema.load(rows)
+    startup = tmp_path / "dflash-trainer-startup_cpu_torch2.13.0_2026-12-01.json"
+    startup.write_text(json.dumps({"Trees, empty Inductor cache": {"eval": {"tau": 2.0}, "mode": "trees"}}))
+    with pytest.raises(schema.ResultsError, match=r"Trees, empty Inductor cache\.baseline: missing"):
+        schema.load(startup)
+
+
+@pytest.mark.parametrize("name, text, field", [
+    ("mystery_cpu_torch2.13.0_2026-12-01.json", "{}", "theme"),
+    ("conformance_cpu_torch2.13.0_2026-12-01.json", "[1, 2]", "(top level)"),
+    ("conformance_cpu_torch2.13.0_2026-12-01.json", "{not json", "(file)"),
+    ("conformance_cpu_2026-12-01.json", "{}", "name"),
+])
+def test_an_unknown_theme_a_non_object_or_a_misnamed_file_is_refused(tmp_path, name, text, field):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(schema.ResultsError) as error:
+        schema.load(tmp_path / name)
+    assert error.value.field == field
+
+
+def test_write_checks_before_writing_and_writes_what_load_reads(tmp_path):
+    path = tmp_path / AB_NAME
+    with pytest.raises(schema.ResultsError, match="trees: missing"):
+        schema.write(path, {k: v for k, v in AB.items() if k != "trees"})
+    assert not path.exists()
+    schema.write(path, AB)
+    assert schema.load(path).data == AB and path.read_text().endswith("}\n")
+    assert schema.stem(ENV, "dflash-ab-default-trees") + ".json" == AB_NAME
+
+
+def test_recency_orders_by_date_then_gpu_over_cpu_then_torch_version():
+    names = ["replay-small_nvidia-h200_torch2.11.0_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-11-30.json",
+             "replay-small_nvidia-h200_torch2.9.1_2026-11-30.json", "replay-small_cpu_torch2.13.0_2026-12-01.json"]
+    assert sorted(names, key=schema.recency) == [names[1], names[2], names[0], names[3]]
+
+
+def test_newest_takes_the_newest_file_of_exactly_that_theme(tmp_path):
+    for name in ("conformance_cpu_torch2.13.0_2026-12-01.json", "conformance_nvidia-h200_torch2.11.0_2026-12-01.json",
+                 "conformance-extra_cpu_torch2.13.0_2026-12-09.json"):
+        (tmp_path / name).write_text(json.dumps({"placements": [], "cases": 0, "equal": 0, "rows": []}))
+    assert schema.newest(tmp_path, "conformance").name == "conformance_nvidia-h200_torch2.11.0_2026-12-01.json"
+    assert schema.newest(tmp_path, "fence-matrix") is None
+
+
+@pytest.mark.parametrize("header, field", [({"gpu": "nvidia-a100"}, "gpu"), ({"machine": "cpu"}, "machine"),
+                                           ({"torch": "2.12.0"}, "torch"), ({"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}, None)])
+def test_a_file_without_an_env_is_checked_against_the_header_it_holds_at_the_top(tmp_path, header, field):
+    path = tmp_path / "fence-overhead_nvidia-h200_torch2.11.0_2026-12-01.json"
+    path.write_text(json.dumps({**header, "rows": []}))
+    if field is None:
+        assert schema.load(path).machine == "nvidia-h200"
+        return
+    with pytest.raises(schema.ResultsError) as error:
+        schema.load(path)
+    assert error.value.field == field
