@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 import dflash_processes  # noqa: E402
 import dflash_report  # noqa: E402
-from dflash_results import EMPTY, SHARED  # noqa: E402
+from results_schema import EMPTY, SHARED  # noqa: E402
 
 import torch  # noqa: E402
 
