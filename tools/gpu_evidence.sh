@@ -3,7 +3,7 @@
 # install, the release it put first on PYTHONPATH), in parts that each fit a 10-minute call:
 #
 #   tools/gpu_evidence.sh check      # torch, CUDA, a compiled step; python -m threadgraph doctor --selftest
-#   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow"), then the gpu-scenarios results file
+#   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow") but the fence's, then the gpu-scenarios results file
 #   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
@@ -58,11 +58,13 @@ print("reduce-overhead replay matches eager")'
   suite)
     export THREADGRAPH_GPU_LOG="$logs/records"
     mkdir -p "$THREADGRAPH_GPU_LOG"
-    step gpu-tests python3 -m pytest -q -m "gpu and not slow" -n 4 --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests
+    # The fence's GPU tests are the fence part's (24 fresh processes): run both parts at once to cover all.
+    step gpu-tests python3 -m pytest -q -rfE --durations=15 -m "gpu and not slow" -n 4 \
+      --ignore=tests/library/test_gpu_fence.py --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests
     step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label suite
     ;;
   slow)
-    step gpu-slow-tests python3 -m pytest -q -m "gpu and slow" -n 4 tests
+    step gpu-slow-tests python3 -m pytest -q -rfE --durations=15 -m "gpu and slow" -n 4 tests
     ;;
   conformance)
     step conformance python3 -m tests.conformance --jobs 4 --write benchmarks/results
@@ -70,7 +72,7 @@ print("reduce-overhead replay matches eager")'
   fence)
     export THREADGRAPH_GPU_LOG="$logs/records"
     mkdir -p "$THREADGRAPH_GPU_LOG"
-    step gpu-fence-tests python3 -m pytest -q -m gpu -n 4 tests/library/test_gpu_fence.py
+    step gpu-fence-tests python3 -m pytest -q -rfE --durations=15 -m gpu -n 4 tests/library/test_gpu_fence.py
     step fence-matrix python3 -m benchmarks fence-matrix "$THREADGRAPH_GPU_LOG"
     ;;
   throughput)
