@@ -64,11 +64,8 @@ def run_rank(cfg, warmup_batches: int) -> dict:
             startup_s = time.perf_counter() - t0
             wall0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
-        _, *host = batches.next()
-        batch = stage.forward(*stage.to_device(*host))
-        replica.forward_backward(batch)
-        averager.average(0, replica.grads)
-        replica.update()
+        _, batch = stage.step(batches)
+        replica.train_step(batch, average=lambda grads: averager.average(0, grads))
     _synchronise(device)
     seconds = time.perf_counter() - wall0
     weights = torch.cat([p.detach().float().flatten() for p in replica.drafter.parameters() if p.requires_grad])
