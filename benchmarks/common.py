@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from threadgraph import _stats
+from threadgraph import StepTimer as LibraryStepTimer
 import results_schema
 from small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
@@ -149,7 +149,7 @@ def small_model(seed: int, device, width: int = WIDTH, depth: int = DEPTH) -> to
 # -- timing ---------------------------------------------------------------------------------------
 
 
-class StepTimer(_stats.StepTimer):
+class StepTimer(LibraryStepTimer):
     """threadgraph's per-step timer (CUDA events resolved without host syncs, or perf_counter),
     plus ``begin()``/``finish()`` wall-clock marks for aggregate throughput."""
 

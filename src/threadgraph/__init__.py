@@ -13,6 +13,8 @@ Public API (everything else is private and may change):
 - ``released()``: give up the device gate's slots around a blocking wait.
 - ``outside_captures()``: run a block of eager CUDA work the fence does not see outside captures.
 - ``capture_step()``: a whole training step replayed as one CUDA graph.
+- ``StepStats`` / ``StepTimer``: what a worker measured; the step timer it uses (CUDA events read
+  without host syncs), for timing a loop of one's own the same way.
 """
 
 from ._errors import (CaptureConflictError, GateTimeout, SettingError, ThreadgraphError, ThreadgraphWarning,
@@ -20,7 +22,7 @@ from ._errors import (CaptureConflictError, GateTimeout, SettingError, Threadgra
 from ._fence import outside_captures
 from ._gate import check_settings, released
 from ._patches import install, installed, patched, patches, uninstall
-from ._stats import StepStats
+from ._stats import StepStats, StepTimer
 from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
 from ._wholestep import CaptureError, StepGraph, capture_step
 from ._errors import GroupStopped
@@ -39,6 +41,7 @@ __all__ = [
     "CompiledWorkerThread",
     "GateTimeout",
     "StepStats",
+    "StepTimer",
     "ThreadgraphError",
     "ThreadgraphWarning",
     "UnsupportedTorchError",
