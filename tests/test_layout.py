@@ -99,3 +99,33 @@ def test_the_check_finds_a_cycle_and_a_private_import(tmp_path):
     edges, private = graph(package, "pkg")
     assert cycles(edges) == [["a", "b", "c", "a"]]
     assert private == ["b imports _hidden from c"]
+
+
+def library_privates_used(paths, root=ROOT) -> list[str]:
+    """Where code outside the library imports a private threadgraph module or name."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                parts = node.module.split(".")
+                names = [a.name for a in node.names] if parts == ["threadgraph"] else []
+                if parts[0] == "threadgraph" and any(p.startswith("_") for p in parts[1:] + names):
+                    found.append(f"{path.relative_to(root)}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Import):
+                found += [f"{path.relative_to(root)}: import {a.name}" for a in node.names
+                          if a.name.startswith("threadgraph._")]
+    return found
+
+
+def test_the_example_benchmarks_and_tools_use_only_the_librarys_public_api():
+    users = [p for folder in ("examples", "benchmarks", "tools") for p in sorted((ROOT / folder).rglob("*.py"))]
+    assert len(users) > 50
+    assert not library_privates_used(users), library_privates_used(users)
+
+
+def test_the_public_api_check_finds_a_private_import(tmp_path):
+    (tmp_path / "x.py").write_text("from threadgraph import _stats, install\nimport threadgraph._gate\n")
+    (tmp_path / "y.py").write_text("from threadgraph._fence import outside_captures\nfrom threadgraph import install\n")
+    found = library_privates_used([tmp_path / "x.py", tmp_path / "y.py"], root=tmp_path)
+    assert found == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._gate",
+                     "y.py: from threadgraph._fence import outside_captures"]
