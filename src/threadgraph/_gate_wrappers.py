@@ -7,10 +7,11 @@ wait on things (the compile lock, autograd's device threads) that other workers'
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
-from . import _fence, _first_call, _fx_window
+from . import _capture_lock, _fence, _first_call, _fx_window
 from ._gate import gate_for, released
 from ._tls import current_worker, doing
 
@@ -25,11 +26,14 @@ def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:
 _ACTIVITY = {"warmups": "warming up CUDA graphs", "captures": "recording CUDA graphs"}
 
 
-def exclusive(counter: str | None) -> Callable:
+def exclusive(counter: str | None, capture_lock_first: bool = False) -> Callable:
+    """``capture_lock_first``: for a call that takes torch's capture lock inside (the manager's
+    set-up), take it before the gate, the order every warm-up and recording has (capture-lock-order)."""
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         device = _device_of(instance, args, kwargs)
         state = current_worker()
-        with gate_for(device).exclusive(), doing(state, _ACTIVITY.get(counter, "preparing CUDA graphs")):
+        lock = _capture_lock.taken_first() if capture_lock_first else contextlib.nullcontext()
+        with lock, gate_for(device).exclusive(), doing(state, _ACTIVITY.get(counter, "preparing CUDA graphs")):
             started = time.perf_counter()
             recording = counter == "captures" and state is not None and not state.recording
             if counter and state is not None:

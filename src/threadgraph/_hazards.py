@@ -98,6 +98,21 @@ HAZARDS: tuple[Hazard, ...] = (
         "goes in `threadgraph.outside_captures()`.",
     ),
     Hazard(
+        "capture-lock-order",
+        "2.13+ holds one process-wide `graph_capture_lock` around a tree manager's set-up, each warm-up "
+        "and each recording. With the device gate taken inside it, a worker that calls a compiled "
+        "function while holding its gate slot waits for the lock, and the lock's holder waits for that "
+        "slot: training workers on one GPU hang for good.",
+        "detected: `torch._inductor.cudagraph_trees` has `graph_capture_lock` (`_compat.has_graph_capture_lock`)",
+        "2.13 - 2.15.0 (feature-detected)",
+        "2.14.1 (measured on an H200: 3 and 8 training workers and the fence's 3 workers hung with the "
+        "lock unpatched); 2.13.0, 2.14.1 (read)",
+        (),
+        "Patched: the lock gives up its thread's gate slots while waiting for and holding it, and the "
+        "manager set-up takes it before the gate; lock first, then the gate, everywhere.",
+        _compat.has_graph_capture_lock,
+    ),
+    Hazard(
         "autograd-device-thread",
         "CUDA backward of every caller on a device runs on one autograd device thread, which "
         "inherits the caller's ThreadLocalState: captures inside backward happen there, and a "

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _compat, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
+from . import _capture_lock, _compat, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
 from ._errors import ThreadgraphWarning
 from ._gate import check_settings
 from ._registry import Patch, Registry, patch_names
@@ -84,9 +84,15 @@ PATCHES = [
                   "caller imports the function from compile_fx at call time (2.15's default `CUDAGraphPolicy` too), "
                   "so the per-worker wrapper, which passes every argument through, still applies"),
     Patch("gate_manager_init", f"{_MANAGER}.__init__", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
-          _gate_wrappers.exclusive(None), read=_READ, run=_RUN,
+          _gate_wrappers.exclusive(None, capture_lock_first=True), read=_READ, run=_RUN,
           changes="2.15 added a keyword `initial_mempool_allocation_gb` and primes the private pool with a device "
                   "allocation (more reason to hold the gate); `device_index` is still the first argument"),
+    Patch("capture_lock_gives_up_slots", f"{_TREES}:graph_capture_lock", "capture-lock-order",
+          "2.13 - 2.15.0 (feature-detected)", "upstream's capture lock and the device gate are one lock (not as of 2.15.0)",
+          _NONE, None, replace=_capture_lock.CaptureLock, applies=_compat.has_graph_capture_lock,
+          read="2.13.0, 2.14.1", run="CPU tests on 2.13.0, 2.14.1 (the lock and the gate in threads, no GPU)",
+          changes="a module-level `threading.Lock` taken with `with` around the manager's set-up (`__init__`), "
+                  "`run_eager` and `record_function` in 2.13.0 and 2.14.1; looked up as a module global at each use"),
     Patch("gate_warmup", f"{_MANAGER}.run_eager", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
           _gate_wrappers.exclusive("warmups"), read=_READ, run=_RUN,
           changes="2.14 records the function being warmed up (`active_warmup_function`); 2.15 as 2.14"),
