@@ -106,7 +106,7 @@ HAZARDS: tuple[Hazard, ...] = (
         "detected: `torch._inductor.cudagraph_trees` has `graph_capture_lock` (`_compat.has_graph_capture_lock`)",
         "2.13 - 2.15.0 (feature-detected)",
         "2.14.1 (measured on an H200: 3 and 8 training workers and the fence's 3 workers hung with the "
-        "lock unpatched); 2.13.0, 2.14.1 (read)",
+        "lock unpatched, and pass with the patch); 2.13.0, 2.14.1 (read)",
         (),
         "Patched: the lock gives up its thread's gate slots while waiting for and holding it, and the "
         "manager set-up takes it before the gate; lock first, then the gate, everywhere.",

@@ -90,7 +90,8 @@ PATCHES = [
     Patch("capture_lock_gives_up_slots", f"{_TREES}:graph_capture_lock", "capture-lock-order",
           "2.13 - 2.15.0 (feature-detected)", "upstream's capture lock and the device gate are one lock (not as of 2.15.0)",
           _NONE, None, replace=_capture_lock.CaptureLock, applies=_compat.has_graph_capture_lock,
-          read="2.13.0, 2.14.1", run="CPU tests on 2.13.0, 2.14.1 (the lock and the gate in threads, no GPU)",
+          read="2.13.0, 2.14.1", run="CPU tests on 2.13.0, 2.14.1 (the lock and the gate in threads); GPU tests on "
+          "2.14.1 (NVIDIA H200: 3 and 8 training workers, mixed, capture failure, new shapes, fence cells)",
           changes="a module-level `threading.Lock` taken with `with` around the manager's set-up (`__init__`), "
                   "`run_eager` and `record_function` in 2.13.0 and 2.14.1; looked up as a module global at each use"),
     Patch("gate_warmup", f"{_MANAGER}.run_eager", "device-wide-capture", "2.1 - 2.15.0", _UNTIL_CAPTURE, _NONE,
