@@ -201,17 +201,24 @@ def _headline_extractor(theme: str):
 
 def other_headlines(folder: Path, prefix: str = "") -> str:
     """One row per headline of the newest file of each of HEADLINE_THEMES, then of each theme of
-    HEADLINE_FAMILIES."""
-    newest = {r.theme: r for r in schema.load_folder(folder) if _headline_extractor(r.theme) is not None}
+    HEADLINE_FAMILIES, for each torch release it ran on (oldest release first)."""
+    newest = {(r.theme, r.torch): r for r in schema.load_folder(folder) if _headline_extractor(r.theme) is not None}
     if not newest:
         return "No benchmark results committed yet: run those of `benchmarks/README.md`, then `python -m benchmarks readme`."
     lines = ["| benchmark | configuration | figure | GPU | torch | results |", "|---|---|---|---|---|---|"]
-    families = sorted(t for t in newest if t not in HEADLINE_THEMES)
-    for theme in [*(t for t in HEADLINE_THEMES if t in newest), *families]:
-        r = newest[theme]
-        for configuration, figure in _headline_extractor(theme)(r.data):
-            lines.append(f"| {theme} | {configuration} | {figure} | {r.machine} | {r.torch} | {link(r, prefix)} |")
+    themes = {theme for theme, _ in newest}
+    families = sorted(t for t in themes if t not in HEADLINE_THEMES)
+    for theme in [*(t for t in HEADLINE_THEMES if t in themes), *families]:
+        for key in sorted((k for k in newest if k[0] == theme), key=lambda k: _release(k[1])):
+            r = newest[key]
+            for configuration, figure in _headline_extractor(theme)(r.data):
+                lines.append(f"| {theme} | {configuration} | {figure} | {r.machine} | {r.torch} | {link(r, prefix)} |")
     return "\n".join(lines)
+
+
+def _release(torch: str) -> tuple:
+    """A torch release as written in a results file's name, as numbers to sort by (2.9.1 before 2.11.0)."""
+    return tuple(int(part) if part.isdigit() else 0 for part in torch.split("+")[0].split("."))
 
 
 def readme_headlines(folder: Path, prefix: str = "") -> str:
@@ -223,14 +230,19 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
         lines.append(f"- **Same behaviour in threads**: the conformance suite runs each CUDAGraph Trees behaviour on the "
                      f"main thread and in threads ({placements}), and {figure} ({conformance.machine}, torch "
                      f"{conformance.torch}; {link(conformance, prefix)}).")
-    fence = schema.newest(folder, "fence-matrix")
-    if fence is not None:
-        rows = dict(headlines.fence_matrix(fence.data))
-        fenced, unfenced = rows.get("pytorch#123177 repro, fenced"), rows.get("pytorch#123177 repro, unfenced")
-        if fenced and unfenced:
-            lines.append(f"- **pytorch#123177 fixed**: its repro (32 plain threads drawing random inputs around one "
-                         f"compiled function) had {fenced} with threadgraph, where {unfenced} without it "
-                         f"({fence.machine}, torch {fence.torch}; {link(fence, prefix)}).")
+    fences = [(r, _repro_rows(r)) for r in schema.load_folder(folder) if r.theme == "fence-matrix"]
+    fences = [(r, rows) for r, rows in fences if all(rows)]
+    # The newest file where the repro still raised without threadgraph; a newer one where it did not
+    # (a torch that keeps RNG state per capture) is said after it.
+    raised = [(r, rows) for r, rows in fences if not rows[1].startswith("0 of")]
+    if raised:
+        fence, (fenced, unfenced) = raised[-1]
+        newer = fences[-1] if fences[-1][0] is not fence else None
+        tail = ("" if newer is None else f"; on torch {newer[0].torch} the repro ran clean without it too, and had "
+                f"{newer[1][0]} with it ({link(newer[0], prefix)})")
+        lines.append(f"- **pytorch#123177 fixed**: its repro (32 plain threads drawing random inputs around one "
+                     f"compiled function) had {fenced} with threadgraph, where {unfenced} without it "
+                     f"({fence.machine}, torch {fence.torch}; {link(fence, prefix)}){tail}.")
     runs = [run for run in newest_runs(folder) if run.data.get("ratio") is not None]
     if runs:
         best = max(runs, key=lambda run: run.data["ratio"])
@@ -247,6 +259,12 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
     if not lines:
         return "No results committed yet: run those of `benchmarks/README.md`, then `python -m benchmarks readme`."
     return "\n".join(lines)
+
+
+def _repro_rows(results) -> tuple:
+    """pytorch#123177's repro in a fence-matrix file: (fenced, unfenced) figures, each None if absent."""
+    rows = dict(headlines.fence_matrix(results.data))
+    return rows.get("pytorch#123177 repro, fenced"), rows.get("pytorch#123177 repro, unfenced")
 
 
 def _span(values, fmt: str) -> str:

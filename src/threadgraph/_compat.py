@@ -1,9 +1,9 @@
 """Every torch-version special case lives here, answered by feature detection.
 
 Nothing else in threadgraph looks at ``torch.__version__``; it asks these functions.
-They are cheap and re-evaluated on each call (except the stash probe, which is a
-property of the C++ build), so tests can swap in the module behaviour of an older
-release and see the shim react.
+They are cheap and re-evaluated on each call (except the stash probe and the generator's
+capture check, which are properties of the C++ build), so tests can swap in the module
+behaviour of an older release and see the shim react.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import functools
 import importlib
 import inspect
 import itertools
+import mmap
 import sys
 import threading
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -116,6 +118,28 @@ def get_obj_asserts() -> bool:
 def has_graph_capture_lock() -> bool:
     """2.13+ serialises tree-manager init, warmup and recording with a module lock."""
     return hasattr(cudagraph_trees(), "graph_capture_lock")
+
+
+# The CUDA generator's refusal of an eager draw while another thread captures (pytorch#123177).
+GENERATOR_CAPTURE_CHECK = b"Offset increment outside graph capture"
+
+
+def cuda_library() -> Path | None:
+    """This torch's CUDA library (``torch/lib/libtorch_cuda.so``), or None on a CPU build."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=None)
+def generator_rejects_draws_beside_captures(library: Path | None = None) -> bool | None:
+    """Whether an eager RNG draw raises while another thread captures on the device: the CUDA
+    generator's offset check (its message) is in the CUDA library. Releases whose RNG state is kept
+    per capture no longer carry it (2.14.1). None on a CPU build: there is nothing to capture."""
+    library = library or cuda_library()
+    if library is None:
+        return None
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
+        return image.find(GENERATOR_CAPTURE_CHECK) != -1
 
 
 def fx_tracing_flag_is_global() -> bool:

@@ -18,7 +18,7 @@ from . import _compat
 READ_RELEASES = "2.13.0, 2.14.1, 2.15.0"
 READ = f"{READ_RELEASES} (source)"
 RUN_CPU = "2.13.0, 2.14.1, 2.15.0 (CPU test suite)"
-RUN_GPU = "2.11.0 (GPU tests and benchmarks, NVIDIA H200)"
+RUN_GPU = "2.11.0 (GPU tests and benchmarks) and 2.14.1 (GPU tests but the slow ones), NVIDIA H200"
 SIMULATED = "2.1 - 2.12 by simulation only (CPU tests swap in the older behaviour), except 2.11 on the GPU"
 
 
@@ -82,20 +82,26 @@ HAZARDS: tuple[Hazard, ...] = (
     ),
     Hazard(
         "device-wide-capture",
-        "Capture is device-wide in effect: while one thread records, another thread's eager RNG "
-        "(\"Offset increment outside graph capture encountered unexpectedly\") or synchronize "
-        "(\"operation not permitted when stream is capturing\") breaks the capture. 2.13+'s "
+        "Capture is device-wide in effect: while one thread records, another thread's "
+        "`torch.cuda.synchronize` (\"operation not permitted when stream is capturing\") breaks the "
+        "capture, and so does its eager RNG draw (\"Offset increment outside graph capture encountered "
+        "unexpectedly\") where the CUDA generator keeps one offset for all captures "
+        "(`_compat.generator_rejects_draws_beside_captures`: the check is in the CUDA library). 2.13+'s "
         "`graph_capture_lock` orders tree-manager operations against each other only.",
-        "assumed: a property of CUDA capture and the device's generator, not of a Python symbol",
-        "2.1 - 2.15.0",
-        f"2.11.0 (measured on an H200); {READ}",
+        "assumed: a property of CUDA capture, not of a Python symbol",
+        "2.1 - 2.15.0 (the RNG part: releases whose CUDA library carries the generator's check)",
+        "2.11.0 (measured on an H200: both parts); 2.14.1 (measured on an H200: the sync part; unfenced, "
+        "RNG draws beside captures raised nothing and left the workers' outputs right, in 3 runs of "
+        f"pytorch#123177's repro and 4 matrix cells; its CUDA library lacks the check); {READ}",
         (),
         "The device gate: workers hold a shared slot while they do CUDA work, capture paths (also any "
         "`torch.cuda.CUDAGraph` capture) take it exclusively. The eager fence orders every other thread: "
         "torch's RNG entry points, the ATen RNG overloads compiled code calls and `torch.cuda.synchronize` "
         "wait while another thread holds the device. Measured safe and left alone: stream and event "
         "syncs, host reads, allocation, `empty_cache`. Work reached from C++ without those entry points "
-        "goes in `threadgraph.outside_captures()`.",
+        "goes in `threadgraph.outside_captures()`. The RNG fence also applies where the generator no "
+        "longer checks: there it only delays a draw until the capture ends, and the unfenced evidence "
+        "is one release's few runs.",
     ),
     Hazard(
         "capture-lock-order",

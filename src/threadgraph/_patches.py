@@ -31,8 +31,9 @@ log = logging.getLogger("threadgraph")
 _TREES = "torch._inductor.cudagraph_trees"
 _MANAGER = f"{_TREES}:CUDAGraphTreeManager"
 _READ = "2.13.0, 2.14.1, 2.15.0"
-_RUN = "CPU tests on 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); GPU tests on 2.11.0 (NVIDIA H200)"
-_RUN_NEW = "CPU tests on 2.13.0 (2 cores, no GPU); GPU conformance suite on 2.11.0 (NVIDIA H200)"
+_RUN = ("CPU tests on 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); GPU tests on 2.11.0 and, where it applies, 2.14.1 "
+        "(NVIDIA H200)")
+_RUN_NEW = "CPU tests on 2.13.0 (2 cores, no GPU); GPU conformance suite on 2.11.0 and 2.14.1 (NVIDIA H200)"
 _RUN_CPU_SIM = "CPU tests on 2.13.0, 2.14.1, 2.15.0 with 2.12's get_obj simulated; GPU tests on 2.11.0 (NVIDIA H200)"
 _UNTIL_GEN = "upstream keeps generation state per thread/worker (not as of 2.15.0)"
 _UNTIL_CAPTURE = "upstream orders capture against all device work (not as of 2.15.0)"

@@ -283,3 +283,24 @@ def test_tau_and_the_build_time_are_given_as_ranges_with_what_they_depend_on(tmp
     assert "GPU (bfloat16): 2.08 over 1 runs" in gpu[1] and "target built with Python 3.12.3" in gpu[1]
     assert "15 - 57 s" in gpu[2]
     assert "](../../benchmarks/results/dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json)" in cpu_tau
+
+
+def _fence_matrix(results, torch, date, unfenced_errors):
+    run = {"threads": 32, "finished": 32, "all_equal": True}
+    repro = {"fenced": [dict(run, errors={})] * 20,
+             "unfenced": [dict(run, errors={"t1": "Offset increment"} if e else {}) for e in unfenced_errors]}
+    name = f"fence-matrix_nvidia-h200_torch{torch}_{date}.json"
+    (results / name).write_text(json.dumps({"cells": [], "repro": repro}))
+    return name
+
+
+def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_where_it_no_longer_does(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    raised = _fence_matrix(results, "2.11.0", "2026-12-01", [True, True, False])
+    section = render.readme_headlines(results)
+    assert "20 of 20 runs clean with threadgraph, where 2 of 3 runs raised without it" in section
+    assert raised in section and "ran clean without it too" not in section
+    clean = _fence_matrix(results, "2.14.1", "2026-12-04", [False, False, False])
+    line = next(x for x in render.readme_headlines(results).splitlines() if "123177" in x)
+    assert "where 2 of 3 runs raised without it (nvidia-h200, torch 2.11.0;" in line and raised in line
+    assert "on torch 2.14.1 the repro ran clean without it too, and had 20 of 20 runs clean with it" in line and clean in line

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import threadgraph
-from threadgraph import _hazards
+from threadgraph import _compat, _hazards
 from threadgraph._patches import PATCHES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -93,3 +93,22 @@ def test_the_library_its_tests_and_docs_name_hazards_only_from_the_catalogue():
 def test_patches_report_their_records():
     for record in threadgraph.patches():
         assert {"hazard", "read", "run", "changes", "upstream"} <= set(record)
+
+
+@pytest.mark.parametrize("contents, expected", [
+    (b"\x7fELF...Offset increment outside graph capture encountered unexpectedly.\x00...", True),
+    (b"\x7fELF...offset_intragraph_ % 4 == 0 INTERNAL ASSERT FAILED\x00...", False),
+])
+def test_the_generator_capture_check_is_read_from_the_cuda_library(tmp_path, contents, expected):
+    library = tmp_path / "libtorch_cuda.so"
+    library.write_bytes(contents)
+    assert _compat.generator_rejects_draws_beside_captures(library) is expected
+
+
+def test_a_cpu_build_has_no_generator_capture_check(monkeypatch):
+    monkeypatch.setattr(_compat, "cuda_library", lambda: None)
+    _compat.generator_rejects_draws_beside_captures.cache_clear()
+    try:
+        assert _compat.generator_rejects_draws_beside_captures() is None
+    finally:
+        _compat.generator_rejects_draws_beside_captures.cache_clear()
