@@ -1,0 +1,102 @@
+"""The DFlash drafter's compiled forward and backward alone, in one placement, in a fresh process.
+
+    python -m tests.gpu_drafter_scenarios PLACEMENT [--steps N] [--device cuda] [--backend inductor]
+
+The trainer's Trees mode crashes (SIGSEGV) on torch 2.14.1 in the first warm-up of a drafter's
+compiled backward; whole-step and eager modes run. These placements tell where it comes from:
+``main`` (no threadgraph at all), ``main-install`` (``install()``, main thread), ``thread`` (one
+plain thread after ``install()``) and ``threads-3`` (three at once, as the trainer's drafters).
+The step is the trainer's own (drafter.step.make_step_fn and make_forward_backward) on random
+inputs of the trainer's default shapes. Prints one JSON object: each thread's first and last loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import types
+
+import torch
+
+from examples.dflash_trainer.drafter.grads import FlatGrads
+from examples.dflash_trainer.drafter.loss import anchors_from_scores
+from examples.dflash_trainer.drafter.model import DFlashDrafter
+from examples.dflash_trainer.drafter.step import METRIC_NAMES, make_forward_backward, make_step_fn
+
+PLACEMENTS = ("main", "main-install", "thread", "threads-3")
+# The trainer's defaults (config.TrainConfig) and a small Qwen3-style target.
+BATCH, SEQ, BLOCK, ANCHORS, LAYERS, VOCAB = 4, 256, 8, 16, 2, 1024
+TARGET = types.SimpleNamespace(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                               intermediate_size=512, rms_norm_eps=1e-6, rope_theta=1e6)
+
+
+def drafter_steps(seed: int, steps: int, device: str, backend: str) -> list[float]:
+    """``steps`` compiled forward-backward calls of a freshly built drafter; the losses."""
+    torch.manual_seed(seed)
+    bf16 = torch.device(device).type == "cuda"
+    frozen = torch.bfloat16 if bf16 else torch.float32
+    embed = torch.nn.Embedding(VOCAB, TARGET.hidden_size).to(device, frozen).requires_grad_(False)
+    head = torch.nn.Linear(TARGET.hidden_size, VOCAB, bias=False).to(device, frozen).requires_grad_(False)
+    drafter = DFlashDrafter.from_target_config(TARGET, embed, head, LAYERS, LAYERS,
+                                               generator=torch.Generator().manual_seed(seed)).to(device)
+    grads = FlatGrads([p for p in drafter.parameters() if p.requires_grad], extras=len(METRIC_NAMES))
+    step = make_step_fn(drafter, block_size=BLOCK, gamma=7.0, mask_token_id=VOCAB - 1,
+                        autocast_dtype=torch.bfloat16 if bf16 else None)
+    compiled = torch.compile(step, backend=backend, **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
+    forward_backward = make_forward_backward(compiled, grads)
+    ids = torch.randint(0, VOCAB - 1, (BATCH, SEQ), device=device)
+    loss_mask = torch.ones(BATCH, SEQ, dtype=torch.long, device=device)
+    features = torch.randn(BATCH, SEQ, LAYERS * TARGET.hidden_size, device=device, dtype=frozen)
+    anchors, keep = anchors_from_scores(loss_mask, ANCHORS, torch.rand(BATCH, SEQ, device=device))
+    losses = []
+    for _ in range(steps):
+        forward_backward(ids, loss_mask, features, anchors, keep)
+        losses.append(float(grads.extras[0]))
+    return losses
+
+
+def run(placement: str, steps: int, device: str, backend: str) -> dict:
+    if placement != "main":
+        import threadgraph
+
+        threadgraph.install()
+    if placement in ("main", "main-install"):
+        return {"placement": placement, "losses": [drafter_steps(0, steps, device, backend)]}
+    results, errors = {}, {}
+
+    def body(i: int) -> None:
+        try:
+            results[i] = drafter_steps(i, steps, device, backend)
+        except BaseException as exc:  # reported in the result, and the run fails below
+            errors[i] = f"{type(exc).__name__}: {exc}"
+        finally:
+            import threadgraph
+
+            threadgraph.release_cudagraph_tls()
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"drafter-{i}") for i in range(3 if placement == "threads-3" else 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"drafter threads failed: {errors}")
+    return {"placement": placement, "losses": [results[i] for i in sorted(results)]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("placement", choices=PLACEMENTS)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
+    args = parser.parse_args(argv)
+    result = run(args.placement, args.steps, args.device, args.backend)
+    result["torch"] = torch.__version__
+    print(json.dumps({**result, "losses": [[round(x, 4) for x in (run_losses[0], run_losses[-1])]
+                                          for run_losses in result["losses"]]}))
+
+
+if __name__ == "__main__":
+    main()
