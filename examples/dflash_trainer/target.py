@@ -57,7 +57,15 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         if device is not None:
             model = model.to(device)
-        return cls(model, tokenizer, num_feature_layers=num_feature_layers)
+        target = cls(model, tokenizer, num_feature_layers=num_feature_layers)
+        target.install_output_hooks()
+        return target
+
+    def install_output_hooks(self) -> None:
+        """One tiny eager forward with hidden states: transformers installs its hidden-state hooks
+        in the first such forward, under a lock Dynamo cannot trace, so inside the first compiled
+        call that is a graph break and the model compiles as a second frame."""
+        self.features(torch.zeros(1, 2, dtype=torch.long, device=self.device))
 
     @classmethod
     def shape_only(cls, path: str | Path, *, num_feature_layers: int) -> TargetModel:

@@ -22,7 +22,7 @@ from .placement import place
 from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
-from .run.startup import StartupMonitor
+from .run.startup import STARTUP_DONE, StartupMonitor
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")
@@ -53,7 +53,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
     lead = Lead(parts.training_log(metrics, progress), control=control, start_step=parts.start_step,
                 evaluator=parts.evaluator if leader and config.eval_every else None, eval_every=config.eval_every,
-                checkpointer=parts.checkpointer if leader else None, checkpoint_every=config.checkpoint_every)
+                checkpointer=parts.checkpointer if leader else None, checkpoint_every=config.checkpoint_every,
+                startup_done=lambda: all(w.activity[0] in STARTUP_DONE for w in group.workers))
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
                for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(i, d, replica=parts.replica, handoff=handoff, averager=averager,
@@ -74,7 +75,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
         with _switch_interval(config.switch_interval_s):
             built_s = time.perf_counter() - began
             group.start()
-            monitor = StartupMonitor(group.workers, progress).start()
+            monitor = StartupMonitor(group.workers, progress,
+                                     background=lambda: [b for b in (lead.background,) if b is not None]).start()
             try:
                 group.join()
             finally:
@@ -90,6 +92,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
             raise Interrupted(None, control.signum) from None
         raise
     finally:
+        if not finished:
+            lead.abandon()
         if watchdog is not None:
             watchdog.close()
         if metrics is not None:

@@ -174,3 +174,28 @@ def test_choose_mask_token(target):
     assert choose_mask_token_id(target.model, _Tok(VOCAB, no_reserved, "<|im_start|>")) == 8
     with pytest.raises(ValueError, match="pass mask_token_id"):
         choose_mask_token_id(target.model, _Tok(VOCAB, {0: "<s>", 1: "</s>"}))
+
+
+def _frames_compiled(target: TargetModel) -> int:
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(target.features, backend=backend)
+    for _ in range(2):
+        compiled(torch.randint(0, 100, (2, 8)))
+    torch._dynamo.reset()
+    return len(frames)
+
+
+def test_a_loaded_target_compiles_its_features_as_one_frame(tiny_assets):
+    """transformers installs its hidden-state hooks in the first forward that asks for hidden states,
+    under a lock Dynamo cannot trace: loading runs that forward eagerly, so the first compiled call
+    has no graph break (the target's compile is one frame, not a prologue and a resumed second one)."""
+    loaded = TargetModel.from_pretrained(tiny_assets.target_dir, num_feature_layers=1)
+    assert _frames_compiled(loaded) == 1
+    fresh = TargetModel(type(loaded.model).from_pretrained(tiny_assets.target_dir), num_feature_layers=1)
+    assert _frames_compiled(fresh) == 2  # without that forward: the graph break this test is about

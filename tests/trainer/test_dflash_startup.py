@@ -104,3 +104,12 @@ def test_the_workers_on_a_device_load_the_target_once_and_leave_it_unchanged(tin
     for tensors in (lambda m: dict(m.named_parameters()), lambda m: dict(m.named_buffers())):  # buffers: rotary too
         after, before = tensors(loaded[0].model), tensors(fresh)
         assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_the_startup_line_names_a_background_task_without_counting_it_as_a_worker():
+    workers = [FakeWorker("target-0", ("stepping", 1.0))]
+    record = snapshot(workers, started=0.0, background=[FakeWorker("baseline", ("evaluating tau of the untrained drafter", 7.2))])
+    assert (record["ready"], record["workers"]) == (1, 1)
+    assert describe(record).endswith("1 of 1 workers ready; baseline evaluating tau of the untrained drafter (7 s)")
+    record = snapshot(workers, started=0.0, background=[FakeWorker("baseline", ("finished", 9.0))])
+    assert "baseline" not in describe(record)

@@ -10,21 +10,30 @@ from typing import Callable, Optional, Sequence
 
 import threadgraph
 
-_DONE = ("stepping", "finished", "failed")
+STARTUP_DONE = ("stepping", "finished", "failed")  # a worker past its startup
 
 
-def snapshot(workers: Sequence[threadgraph.CompiledWorkerThread], started: float) -> dict:
-    doing = []
-    for w in workers:
-        what, seconds = w.activity
-        doing.append({"worker": w.name, "doing": what, "for_s": round(seconds, 1)})
-    ready = sum(1 for d in doing if d["doing"] in _DONE)
-    return {"seconds": round(time.monotonic() - started, 1), "ready": ready, "workers": len(workers), "doing": doing}
+def _doing(items: Sequence) -> list[dict]:
+    out = []
+    for item in items:
+        what, seconds = item.activity
+        out.append({"worker": item.name, "doing": what, "for_s": round(seconds, 1)})
+    return out
+
+
+def snapshot(workers: Sequence[threadgraph.CompiledWorkerThread], started: float, background: Sequence = ()) -> dict:
+    """What each worker does, and each ``background`` task (anything with ``name`` and
+    ``activity``, such as the baseline evaluation) that no worker waits for."""
+    doing = _doing(workers)
+    ready = sum(1 for d in doing if d["doing"] in STARTUP_DONE)
+    return {"seconds": round(time.monotonic() - started, 1), "ready": ready, "workers": len(workers), "doing": doing,
+            "background": _doing(background)}
 
 
 def describe(record: dict) -> str:
     """One line: ``startup 42 s, 3 of 8 workers ready; target-1 compiling features (12 s); ...``."""
-    busy = [f"{d['worker']} {d['doing']} ({d['for_s']:.0f} s)" for d in record["doing"] if d["doing"] not in _DONE]
+    busy = [f"{d['worker']} {d['doing']} ({d['for_s']:.0f} s)" for d in [*record["doing"], *record.get("background", ())]
+            if d["doing"] not in STARTUP_DONE]
     head = f"startup {record['seconds']:.0f} s, {record['ready']} of {record['workers']} workers ready"
     return "; ".join([head, *busy])
 
@@ -34,8 +43,10 @@ class StartupMonitor:
     ready (or ``stop()``)."""
 
     def __init__(self, workers: Sequence[threadgraph.CompiledWorkerThread],
-                 report: Optional[Callable[[dict], None]], every_s: float = 2.0) -> None:
+                 report: Optional[Callable[[dict], None]], every_s: float = 2.0,
+                 background: Callable[[], Sequence] = tuple) -> None:
         self.workers, self.report, self.every_s = list(workers), report, every_s
+        self.background = background  # the background tasks as of each report
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-startup", daemon=True)
         self._started = 0.0
@@ -52,7 +63,7 @@ class StartupMonitor:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.every_s):
-            record = snapshot(self.workers, self._started)
+            record = snapshot(self.workers, self._started, self.background())
             if record["ready"] == record["workers"]:
                 return
             if self.report is not None:
