@@ -15,10 +15,13 @@ that holds it. PAGES says which page holds which section:
   thread (the range over the newest run of each target and graphs mode, and the ratio aimed for).
 - docs/results.md: ``results-headlines`` (every other benchmark's headlines, one file per theme),
   ``dflash-table`` (one row per (target shape, graphs mode) of ``dflash-throughput-*.json``) and
-  ``dflash-tau`` (tau next to its baselines). A startup figure is a first run's (each cell on an
+  ``dflash-tau`` (tau next to its baselines); its ``results-headlines`` gives each theme's newest file
+  per torch release. A startup figure is a first run's (each cell on an
   empty Inductor cache) unless the run shared one cache between its cells: then the sequential
   startup is marked a restart and the startup ratio is left out. The embedded default target is
   labelled a launch-bound smoke case: it gives the GPU less than a millisecond of work per batch.
+- docs/projection.md, ``seed-projection``: the seed topology past one GPU, projected from the
+  DFlash throughput runs' GPU and GIL times per batch (benchmarks/projection.py).
 - examples/dflash_trainer/README.md, ``dflash-measured``: tau and the embedded default's build time
   as measured ranges, each with what it depends on (where the drafter trained, the Python whose
   standard library the target was trained on, the transformers and torch versions).
@@ -32,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported by path
 import headlines  # noqa: E402
+import projection  # noqa: E402
 import results_schema as schema  # noqa: E402
 from headlines import RESTART, TARGET_RATIO  # noqa: E402
 from results_schema import Results, ResultsError, startup_comparable  # noqa: E402
@@ -324,10 +328,16 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
+def seed_projection(folder: Path, prefix: str = "") -> str:
+    """docs/projection.md's table (benchmarks/projection.py) from the newest run per shape and mode."""
+    return projection.section(newest_runs(folder), lambda r: link(r, prefix))
+
+
 # Each page, relative to the repository root, and its generated sections with what renders them.
 PAGES = {
     "README.md": (("readme-headlines", readme_headlines),),
     "docs/results.md": (("results-headlines", other_headlines), ("dflash-table", table), ("dflash-tau", tau_section)),
+    "docs/projection.md": (("seed-projection", seed_projection),),
     "examples/dflash_trainer/README.md": (("dflash-measured", measured),),
 }
 

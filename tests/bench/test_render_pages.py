@@ -46,6 +46,7 @@ def _readme(tmp_path):
     (root / "README.md").write_text("# x\n\n<!-- readme-headlines:begin -->\n<!-- readme-headlines:end -->\n")
     (root / "examples" / "dflash_trainer" / "README.md").write_text(
         "# t\n\n<!-- dflash-measured:begin -->\nold\n<!-- dflash-measured:end -->\n")
+    (root / "docs" / "projection.md").write_text("# p\n\n<!-- seed-projection:begin -->\n<!-- seed-projection:end -->\n")
     path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
                     "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\n"
@@ -304,3 +305,19 @@ def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_whe
     line = next(x for x in render.readme_headlines(results).splitlines() if "123177" in x)
     assert "where 2 of 3 runs raised without it (nvidia-h200, torch 2.11.0;" in line and raised in line
     assert "on torch 2.14.1 the repro ran clean without it too, and had 20 of 20 runs clean with it" in line and clean in line
+
+
+def test_the_projection_finds_where_the_gil_saturates_one_process_of_eight_gpus(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    shown = _result(results, "0.6b", "trees", "2026-12-02", 160_000.0)
+    run = json.loads((results / shown).read_text())
+    run.update(gpu_ms_per_batch=8.0, host_gil_ms_per_batch=2.0, ratio_threaded_to_gpu_bound=0.5,
+               ratio_sequential_to_gpu_bound=0.9)
+    (results / shown).write_text(json.dumps(run))
+    row = next(line for line in render.seed_projection(results).splitlines() if line.startswith("| 0.6b"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:6] == ["8.00", "2.00", "4.0", "0.50 / 1.00: the GIL saturates first: threads reach 0.50 of one process per GPU"]
+    assert cells[6] == "0.50, 0.90" and shown in cells[7]
+    run.update(host_gil_ms_per_batch=0.25)  # 32 GPUs' worth: the GIL is at most a quarter busy on 8
+    (results / shown).write_text(json.dumps(run))
+    assert "1.00 / 1.00: threads match one process per GPU (the GIL at most half busy)" in render.seed_projection(results)
