@@ -288,8 +288,8 @@ HAZARDS: tuple[Hazard, ...] = (
         "(`MissingOperatorWithoutDecomp`: upstream's `test_rng_trees` and `test_rng_non_trees` failed "
         "under `install()` on 2.11.0, on the main thread too).",
         "detected: `OpOverload.__hash__` hashes `self._op`",
-        "2.1 - 2.15.0 (any patch of `_op`)",
-        "2.11.0 (measured on an H200), 2.13.0 (CPU test); 2.13.0, 2.14.1 (source)",
+        "2.1 - 2.13 (any patch of `_op`; 2.14.1 and 2.15.0 hash `_cpp_dispatch_handle`)",
+        "2.11.0 (measured on an H200), 2.13.0 (CPU test); 2.13.0 (source); 2.14.1, 2.15.0 (source: absent)",
         (),
         "The fence's overload patch `fence_rng_ops` replaces `_op` with an object that hashes and compares "
         "as the original, so every overload hashes the same with the fence in place or not.",

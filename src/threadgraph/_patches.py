@@ -185,7 +185,8 @@ PATCHES += [
     # their ``_op``, and Inductor's lowering and decomposition tables are keyed by overloads.
     Patch("fence_rng_ops", _RNG_OP_TARGET, "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL,
           _NONE, None, more_targets=_rng_op_targets, replace=_fence.fenced_op, read=_READ, run=_RUN_FENCE,
-          changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 and 2.14.1 (read)"),
+          changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 and "
+                  "`hash(self._cpp_dispatch_handle)` in 2.14.1 and 2.15.0 (read), which the patch leaves as it is"),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
           replace=_fence.fenced_synchronize,
           read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),
