@@ -1,18 +1,24 @@
 """The DFlash drafter's compiled forward and backward alone, in one placement, in a fresh process.
 
     python -m tests.gpu_drafter_scenarios PLACEMENT [--steps N] [--device cuda] [--backend inductor]
+        [--sdpa default|math] [--warmup-modes on|off] [--autograd-threads on|off]
 
 The trainer's Trees mode crashes (SIGSEGV) on torch 2.14.1 in the first warm-up of a drafter's
 compiled backward; whole-step and eager modes run. These placements tell where it comes from:
 ``main`` (no threadgraph at all), ``main-install`` (``install()``, main thread), ``thread`` (one
 plain thread after ``install()``) and ``threads-3`` (three at once, as the trainer's drafters).
 The step is the trainer's own (drafter.step.make_step_fn and make_forward_backward) on random
-inputs of the trainer's default shapes. Prints one JSON object: each thread's first and last loss.
+inputs of the trainer's default shapes. Prints one JSON object: each thread's first and last loss,
+and the cuDNN version this torch loaded. The switches take one suspect away each: ``--sdpa math``
+the fused attention kernels, ``--warmup-modes off`` the dispatch modes Inductor's CUDA-graph warm-up
+and recording enter (2.13+), ``--autograd-threads off`` autograd's device thread (backward then
+runs on the calling thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import types
@@ -50,10 +56,34 @@ def drafter_steps(seed: int, steps: int, device: str, backend: str) -> list[floa
     features = torch.randn(BATCH, SEQ, LAYERS * TARGET.hidden_size, device=device, dtype=frozen)
     anchors, keep = anchors_from_scores(loss_mask, ANCHORS, torch.rand(BATCH, SEQ, device=device))
     losses = []
-    for _ in range(steps):
-        forward_backward(ids, loss_mask, features, anchors, keep)
-        losses.append(float(grads.extras[0]))
+    with torch.autograd.set_multithreading_enabled(AUTOGRAD_THREADS[0]):
+        for _ in range(steps):
+            forward_backward(ids, loss_mask, features, anchors, keep)
+            losses.append(float(grads.extras[0]))
     return losses
+
+
+AUTOGRAD_THREADS = [True]  # --autograd-threads: whether backward runs on autograd's device thread
+
+
+def take_away(sdpa: str, warmup_modes: str, autograd_threads: str) -> list[str]:
+    """Apply the switches (see the module's doc); the suspects taken away."""
+    gone = []
+    if sdpa == "math":
+        for backend in ("cudnn", "flash", "mem_efficient"):
+            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+        gone.append("fused attention")
+    if warmup_modes == "off":
+        import torch._inductor.cudagraph_trees as trees
+
+        for name in ("ControlFlowOpWarmupDispatchMode", "CUDAGraphCaptureControlFlowOpDispatchMode"):
+            if hasattr(trees, name):
+                setattr(trees, name, contextlib.nullcontext)
+                gone.append(name)
+    if autograd_threads == "off":
+        AUTOGRAD_THREADS[0] = False
+        gone.append("autograd device thread")
+    return gone
 
 
 def run(placement: str, steps: int, device: str, backend: str) -> dict:
@@ -91,9 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--sdpa", default="default", choices=("default", "math"))
+    parser.add_argument("--warmup-modes", default="on", choices=("on", "off"))
+    parser.add_argument("--autograd-threads", default="on", choices=("on", "off"))
     args = parser.parse_args(argv)
+    gone = take_away(args.sdpa, args.warmup_modes, args.autograd_threads)
     result = run(args.placement, args.steps, args.device, args.backend)
-    result["torch"] = torch.__version__
+    result.update(torch=torch.__version__, cudnn=torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+                  taken_away=gone)
     print(json.dumps({**result, "losses": [[round(x, 4) for x in (run_losses[0], run_losses[-1])]
                                           for run_losses in result["losses"]]}))
 

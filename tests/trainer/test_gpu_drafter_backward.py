@@ -27,3 +27,10 @@ def test_the_drafter_scenario_runs_on_the_cpu_in_three_threads():
     result = scenario("threads-3", "--steps", 2, "--device", "cpu", "--backend", "eager",
                       module="tests.gpu_drafter_scenarios")
     _finite(result, 3)
+
+
+def test_the_scenarios_switches_take_their_suspect_away():
+    result = scenario("thread", "--steps", 1, "--device", "cpu", "--backend", "eager", "--sdpa", "math",
+                      "--warmup-modes", "off", "--autograd-threads", "off", module="tests.gpu_drafter_scenarios")
+    _finite(result, 1)
+    assert {"fused attention", "autograd device thread"} <= set(result["taken_away"]), result
