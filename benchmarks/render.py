@@ -213,16 +213,11 @@ def other_headlines(folder: Path, prefix: str = "") -> str:
     themes = {theme for theme, _ in newest}
     families = sorted(t for t in themes if t not in HEADLINE_THEMES)
     for theme in [*(t for t in HEADLINE_THEMES if t in themes), *families]:
-        for key in sorted((k for k in newest if k[0] == theme), key=lambda k: _release(k[1])):
+        for key in sorted((k for k in newest if k[0] == theme), key=lambda k: schema.release(k[1])):
             r = newest[key]
             for configuration, figure in _headline_extractor(theme)(r.data):
                 lines.append(f"| {theme} | {configuration} | {figure} | {r.machine} | {r.torch} | {link(r, prefix)} |")
     return "\n".join(lines)
-
-
-def _release(torch: str) -> tuple:
-    """A torch release as written in a results file's name, as numbers to sort by (2.9.1 before 2.11.0)."""
-    return tuple(int(part) if part.isdigit() else 0 for part in torch.split("+")[0].split("."))
 
 
 def readme_headlines(folder: Path, prefix: str = "") -> str:

@@ -66,8 +66,12 @@ def recency(file_name: str) -> tuple:
     name = parse_name(file_name)
     if name is None:
         return "", False, (), file_name
-    version = tuple(int(part) for part in re.findall(r"\d+", name.torch)[:3])
-    return name.date, name.machine != "cpu", version, file_name
+    return name.date, name.machine != "cpu", release(name.torch), file_name
+
+
+def release(torch: str) -> tuple:
+    """A torch release as written in a results file's name, as numbers to sort by (2.9.1 before 2.11.0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", torch)[:3])
 
 
 # -- the fields of each theme ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .placement import place
 from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
-from .run.startup import STARTUP_DONE, StartupMonitor
+from .run.startup import StartupMonitor, past_startup
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")
@@ -54,7 +54,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     lead = Lead(parts.training_log(metrics, progress), control=control, start_step=parts.start_step,
                 evaluator=parts.evaluator if leader and config.eval_every else None, eval_every=config.eval_every,
                 checkpointer=parts.checkpointer if leader else None, checkpoint_every=config.checkpoint_every,
-                startup_done=lambda: all(w.activity[0] in STARTUP_DONE for w in group.workers))
+                startup_done=lambda: past_startup(group.workers))
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
                for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(i, d, replica=parts.replica, handoff=handoff, averager=averager,

@@ -64,10 +64,16 @@ def test_a_failed_baseline_raises_in_whoever_waits_for_it(drafter):
 
 def test_the_baseline_waits_for_every_workers_startup(drafter):
     """No eager forward of the target while a worker may still be tracing it (see lead.py)."""
-    evaluator, started = GatedEvaluator(), threading.Event()
+    evaluator, started, asked = GatedEvaluator(), threading.Event(), threading.Semaphore(0)
     evaluator.go.set()
-    baseline = BaselineEvaluation(evaluator, drafter, startup_done=started.is_set)
-    threading.Event().wait(5 * BaselineEvaluation.POLL_S)
+
+    def startup_done():
+        asked.release()
+        return started.is_set()
+
+    baseline = BaselineEvaluation(evaluator, drafter, startup_done=startup_done)
+    for _ in range(3):  # asked three times, told no each time
+        assert asked.acquire(timeout=10), "the baseline never asked whether the startup was done"
     assert evaluator.threads == [] and baseline.activity[0] == "waiting for the workers' startup"
     started.set()
     assert baseline.result()["weights"] == pytest.approx(float(sum(p.detach().sum() for p in drafter.parameters())))

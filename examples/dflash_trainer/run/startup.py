@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import threadgraph
 
-STARTUP_DONE = ("stepping", "finished", "failed")  # a worker past its startup
+_DONE = ("stepping", "finished", "failed")  # a worker past its startup
 
 
 def _doing(items: Sequence) -> list[dict]:
@@ -25,15 +25,20 @@ def snapshot(workers: Sequence[threadgraph.CompiledWorkerThread], started: float
     """What each worker does, and each ``background`` task (anything with ``name`` and
     ``activity``, such as the baseline evaluation) that no worker waits for."""
     doing = _doing(workers)
-    ready = sum(1 for d in doing if d["doing"] in STARTUP_DONE)
+    ready = sum(1 for d in doing if d["doing"] in _DONE)
     return {"seconds": round(time.monotonic() - started, 1), "ready": ready, "workers": len(workers), "doing": doing,
             "background": _doing(background)}
+
+
+def past_startup(workers: Sequence[threadgraph.CompiledWorkerThread]) -> bool:
+    """Whether every worker is past its startup (stepping, finished or failed)."""
+    return all(w.activity[0] in _DONE for w in workers)
 
 
 def describe(record: dict) -> str:
     """One line: ``startup 42 s, 3 of 8 workers ready; target-1 compiling features (12 s); ...``."""
     busy = [f"{d['worker']} {d['doing']} ({d['for_s']:.0f} s)" for d in [*record["doing"], *record.get("background", ())]
-            if d["doing"] not in STARTUP_DONE]
+            if d["doing"] not in _DONE]
     head = f"startup {record['seconds']:.0f} s, {record['ready']} of {record['workers']} workers ready"
     return "; ".join([head, *busy])
 
