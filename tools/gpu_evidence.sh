@@ -9,6 +9,8 @@
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
 #   tools/gpu_evidence.sh throughput # one DFlash throughput cell: 0.6b shape, Trees
 #   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
+#   tools/gpu_evidence.sh drafter    # the drafter's Trees step in 4 placements at once; on a failure, the
+#                                    # switches that each take one suspect away; the fused attention ops compiled
 #
 # The correctness parts (suite, slow, conformance, fence) may run at once (`A & B & wait`): they
 # pass under load; the timed parts (throughput, startup) run alone.
@@ -20,7 +22,7 @@
 # prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-parts="check, suite, slow, conformance, fence, throughput or startup"
+parts="check, suite, slow, conformance, fence, throughput, startup or drafter"
 part=${1:?"name a part: $parts"}
 logs=${EVIDENCE_LOGS:-$PWD/gpu-evidence-logs}/$part
 mkdir -p "$logs"
@@ -80,6 +82,30 @@ print("reduce-overhead replay matches eager")'
     ;;
   startup)
     step trainer-startup python3 -m benchmarks trainer-startup --no-restart
+    ;;
+  drafter)
+    probe() {  # probe NAME ARGS...: one scenario process with an Inductor cache of its own, in the background
+      local name=$1; shift
+      ( TORCHINDUCTOR_CACHE_DIR="$logs/inductor-$name" timeout --signal=INT --kill-after=30 "${EVIDENCE_STEP_TIMEOUT:-0}" \
+          python3 -X faulthandler -m tests.gpu_drafter_scenarios "$@" >"$logs/$name.log" 2>&1
+        echo "== $name: exit $?" >>"$logs/steps.txt" ) &
+    }
+    for p in main main-install thread threads-3; do probe "$p" "$p" --steps 3; done
+    wait
+    cat "$logs/steps.txt"
+    failed=$(grep -m1 -v ': exit 0$' "$logs/steps.txt" | sed 's/^== \([^:]*\):.*/\1/')
+    if [ -n "$failed" ]; then
+      status=1
+      probe "$failed-sdpa-math" "$failed" --steps 3 --sdpa math
+      probe "$failed-warmup-modes-off" "$failed" --steps 3 --warmup-modes off
+      probe "$failed-autograd-threads-off" "$failed" --steps 3 --autograd-threads off
+      TORCH_CUDNN_SDPA_DEPRIORITIZED=1 probe "$failed-cudnn-sdpa-deprioritized" "$failed" --steps 3
+      wait
+      cat "$logs/steps.txt"
+    fi
+    echo "== fused attention ops in the compiled code (count, op):"
+    grep -rhoE "aten\._(scaled_dot_product|flash_attention|efficient_attention)[a-z_]*" "$logs"/inductor-* | sort | uniq -c
+    for f in "$logs"/*.log; do echo "-- $f"; tail -n 6 "$f"; done
     ;;
   *)
     echo "error: unknown part '$part'; name one of $parts" >&2
