@@ -157,6 +157,15 @@ def fx_patcher_is_global() -> bool:
     return "CURRENT_PATCHER" in vars(fx)
 
 
+def compile_session_flag_is_global() -> bool:
+    """Whether a compile holds ``torch.compiler.is_compiling()`` True for every thread: Dynamo enters
+    ``torch.compiler._compile_session_context`` (2.13+), which sets the module global
+    ``_is_compiling_flag`` that ``is_compiling`` returns."""
+    compiler = importlib.import_module("torch.compiler")
+    code = getattr(getattr(compiler, "is_compiling", None), "__code__", None)
+    return callable(vars(compiler).get("_compile_session_context")) and "_is_compiling_flag" in getattr(code, "co_names", ())
+
+
 def generation_counters_are_global() -> bool:
     """Whether CUDAGraph Trees' generation counters are plain attributes of process-wide objects:
     ``MarkStepBox.mark_step_counter`` (a class attribute) and ``GenerationTracker.generation``

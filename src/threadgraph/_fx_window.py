@@ -19,6 +19,8 @@ invalidated, whose guards pass), that call runs uncompiled this once (its nested
 cache) instead of compiling the same code again. It compiles, as without the patch, inside a
 capture (the uncompiled frame's kernels would stay in the captured graph for good) and for
 ``fullgraph=True`` (a call with no compiled frame fails). Calls that hit their cache never wait.
+A whole-step capture (``windows_held_off``) waits for traces open elsewhere and holds new ones
+off until it ends, so the captured step finds its compiled code.
 A thread inside a trace of its own, or inside a compile (holding Dynamo's compile lock, which the
 trace may need), does not wait; a window a wait timed out on is not waited for again; a trace's
 fake ops pass the eager fence without waiting (``_fence``). Limits: the call run uncompiled sees
@@ -50,6 +52,7 @@ _changed = threading.Condition()
 _open: dict[int, tuple[str, int, int]] = {}  # thread ident -> (thread name, windows open in it, window serial)
 _waiting: dict[int, str] = {}  # thread ident -> name, of the threads waiting for others' windows
 _given_up: set[int] = set()  # serials of open windows a wait timed out on: no one waits for them again
+_holding: dict[int, str] = {}  # thread ident -> name, of the threads capturing a whole step: no new window opens meanwhile
 _serials = itertools.count(1)
 
 
@@ -60,6 +63,7 @@ def _forget_after_fork() -> None:
     _open.clear()
     _waiting.clear()
     _given_up.clear()
+    _holding.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -70,6 +74,8 @@ if hasattr(os, "register_at_fork"):
 def _window(patcher: ContextManager[Any]) -> Iterator[Any]:
     ident = threading.get_ident()
     with _changed:
+        if ident not in _open and _captures_elsewhere(ident):
+            _wait_for_captures(ident)
         name, depth, serial = _open.get(ident, (threading.current_thread().name, 0, 0))
         _open[ident] = (name, depth + 1, serial or next(_serials))
     try:
@@ -84,6 +90,61 @@ def _window(patcher: ContextManager[Any]) -> Iterator[Any]:
                 _open.pop(ident, None)
                 _given_up.discard(serial)
                 _changed.notify_all()
+
+
+def _captures_elsewhere(me: int) -> list[str]:
+    return sorted(name for ident, name in _holding.items() if ident != me)
+
+
+def _wait_for_captures(me: int) -> None:
+    """With ``_changed`` held, in a thread about to open a window: wait for other threads' whole-step
+    captures to end (a window open meanwhile would make the captured step miss its cache)."""
+    names = ", ".join(_captures_elsewhere(me))
+    log.debug("threadgraph: FX trace in %s waits for the whole-step capture in %s", threading.current_thread().name, names)
+    if not _changed.wait_for(lambda: not _captures_elsewhere(me), timeout=DEFAULT_TIMEOUT_S):
+        log.warning("threadgraph: waited %g s for the whole-step capture in %s to end; tracing anyway (that capture "
+                    "may fail to find its compiled code)", DEFAULT_TIMEOUT_S, names)
+
+
+@contextlib.contextmanager
+def windows_held_off() -> Iterator[None]:
+    """Around a whole-step capture: wait until no other thread is inside an FX trace, then let none
+    start one until the capture ends, so the captured step finds its compiled code (a miss there
+    would compile inside the capture, which 2.14+ refuses). Inside a trace or a compile of its own a
+    thread holds nothing off; a compile inside the capture lifts the hold for its duration."""
+    if tracing_here() or _frame_cache.holds_compile_lock():
+        yield
+        return
+    me = threading.get_ident()
+    while True:
+        wait_for_other_traces()
+        with _changed:
+            if not _others(me):
+                _holding[me] = threading.current_thread().name
+                break
+    try:
+        yield
+    finally:
+        with _changed:
+            _holding.pop(me, None)
+            _changed.notify_all()
+
+
+@contextlib.contextmanager
+def hold_lifted() -> Iterator[None]:
+    """Around a compile: a capture compiling (its code missed for another reason) lets traces
+    elsewhere go on, as they may hold the compile lock it needs."""
+    me = threading.get_ident()
+    with _changed:
+        name = _holding.pop(me, None)
+        if name is not None:
+            _changed.notify_all()
+    try:
+        yield
+    finally:
+        if name is not None:
+            with _changed:
+                _holding[me] = name
 
 
 def trace_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> ContextManager[Any]:
@@ -167,3 +228,9 @@ def open_windows() -> dict[str, int]:
     """Thread name -> FX trace windows open in it (diagnostics and tests)."""
     with _changed:
         return {name: depth for name, depth, _ in _open.values()}
+
+
+def holding() -> list[str]:
+    """Names of the threads holding new FX traces off for a whole-step capture (diagnostics and tests)."""
+    with _changed:
+        return sorted(_holding.values())

@@ -73,7 +73,7 @@ def compile_frame(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -
     if uncompiled is not None:
         return uncompiled
     started = time.perf_counter()  # after the wait, which counts as waiting for a peer
-    with released(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
+    with released(), _fx_window.hold_lifted(), doing(state, f"compiling {getattr(code, 'co_name', 'a frame')}"):
         try:
             return wrapped(*args, **kwargs)
         finally:

@@ -232,6 +232,23 @@ HAZARDS: tuple[Hazard, ...] = (
         _compat.fx_tracing_flag_is_global,
     ),
     Hazard(
+        "global-compile-session-flag",
+        "Since 2.13 every compile holds `torch.compiler.is_compiling()` True for the whole process "
+        "(`_compile_session_context` sets the module global `_is_compiling_flag`), so eager code in every other "
+        "thread takes its compiled-code branch while any thread compiles. transformers' output collector "
+        "(`CompileableContextVar`) then becomes one process global: threads running `output_hidden_states` "
+        "forwards at once get each other's hidden states or none (an IndexError in the DFlash trainer's "
+        "target workers on 2.14.1).",
+        "detected: `torch.compiler._compile_session_context` exists and `is_compiling` returns `_is_compiling_flag`",
+        "2.13 - 2.15.0",
+        f"{READ}; run on 2.13.0 and 2.14.1 (CPU test), seen on 2.14.1 in the DFlash trainer on an H200",
+        (),
+        "The patch `compile_flag_per_thread` counts compile sessions per thread and gives `is_compiling` a body "
+        "that reads this thread's count (the function object is kept: Dynamo folds it by identity). "
+        "Non-strict export still sets the flag for the whole process.",
+        _compat.compile_session_flag_is_global,
+    ),
+    Hazard(
         "global-fx-patcher",
         "FX tracing (`symbolic_trace`, and `make_fx`, which AOTAutograd runs in every compile) patches "
         "`nn.Module.__call__` and `__getattr__` process-wide and keeps the active patcher in a module "
@@ -248,7 +265,9 @@ HAZARDS: tuple[Hazard, ...] = (
         "The patch `fx_trace_window`: a cache miss in another thread while a trace's patches are in place "
         "waits for the trace to end, then, when cached code fits, runs that call uncompiled once (its nested "
         "frames from the cache) instead of compiling the same code again; inside a capture and for "
-        "`fullgraph=True` it compiles, as upstream; calls that hit never wait. Not covered: the call run "
+        "`fullgraph=True` it compiles, as upstream; calls that hit never wait. A whole-step capture "
+        "(`capture_step`) waits for traces open elsewhere and holds new ones off until it ends (2.14+ refuses a "
+        "compile inside a capture; a compile there lifts the hold). Not covered: the call run "
         "uncompiled sees `torch.compiler.is_compiling()` False; a trace doing real fenced device work while "
         "a capture waits for it (both go on after THREADGRAPH_GATE_TIMEOUT); eager module calls in other "
         "threads; two traces at once in two threads (they break each other upstream). Keep plain "

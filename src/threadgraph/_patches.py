@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _capture_lock, _compat, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
+from . import _capture_lock, _compat, _compile_flag, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
 from ._errors import ThreadgraphWarning
 from ._gate import check_settings
 from ._registry import Patch, Registry, patch_names
@@ -129,6 +129,14 @@ PATCHES = [
           run=_RUN + "; measured with 8 DFlash workers on one GPU",
           changes="2.14 passes `apply_to_code` when it skips a frame; 2.15 as 2.14; `compile_lock` is still one "
                   "process-wide RLock"),
+    Patch("compile_flag_per_thread", "torch.compiler:_compile_session_context", "global-compile-session-flag",
+          "2.13 - 2.15.0 (feature-detected)", "upstream keeps the compile session per thread", _NONE, None,
+          applies=_compat.compile_session_flag_is_global, read=_READ,
+          run="CPU tests on 2.13.0, 2.14.1 (2 cores, no GPU); the DFlash trainer's cold start on an H200 (2.14.1) "
+              "failed without it",
+          changes="2.13.0 - 2.15.0: `compile_inner` enters `torch.compiler._compile_session_context()` unless "
+                  "exporting; `is_compiling` returns the module global `_is_compiling_flag`",
+          more_targets=lambda: ["torch.compiler:is_compiling.__code__"], replace=_compile_flag.replacement),
     Patch("fx_trace_window", "torch.fx._symbolic_trace:_new_patcher", "global-fx-patcher", "2.1 - 2.15.0",
           "upstream keeps FX's patches per thread, or Dynamo stops guarding on nn.Module.__call__", _NONE,
           _fx_window.trace_window, applies=_compat.fx_patcher_is_global, read=_READ + ", 2.11.0",

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import threading
+import types
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import wrapt
@@ -18,6 +21,7 @@ import wrapt
 from . import _compat
 
 log = logging.getLogger("threadgraph")
+_PACKAGE = Path(__file__).parent
 
 
 class PatchWrapper(wrapt.FunctionWrapper):
@@ -93,7 +97,14 @@ def patch_names(names: Optional[Iterable[str]], argument: str) -> frozenset:
 
 
 def _is_threadgraphs(value: Any) -> bool:
+    if isinstance(value, types.CodeType):  # a function's body swapped in (the function keeps its identity)
+        return Path(value.co_filename).parent == _PACKAGE
     return isinstance(value, PatchWrapper) or hasattr(value, "__threadgraph_original__")
+
+
+def _held_by_type(owner: Any, attribute: str) -> bool:
+    """Whether ``attribute`` is a slot of the owner's type (a function's ``__code__``): set back, never deleted."""
+    return inspect.isdatadescriptor(getattr(type(owner), attribute, None))
 
 
 class Registry:
@@ -147,6 +158,8 @@ class Registry:
                     for target in patch.targets():
                         owner, attribute = patch.owner_and_attribute(target)
                         original = vars(owner).get(attribute, _ABSENT)
+                        if original is _ABSENT and _held_by_type(owner, attribute):
+                            original = getattr(owner, attribute)
                         # Wrap what the owner holds (a descriptor stays one); an inherited attribute is
                         # wrapped as it is looked up and set on the owner, shadowing the base's.
                         current = getattr(owner, attribute) if original is _ABSENT else original

@@ -21,6 +21,7 @@ import torch
 
 from ._compat import copy_all_
 from ._errors import ThreadgraphError, ThreadgraphWarning
+from ._fx_window import windows_held_off
 from ._gate import gate_for
 
 log = logging.getLogger("threadgraph")
@@ -81,7 +82,9 @@ class StepGraph:
         self._check_inputs(inputs)
         if self.calls <= self.warmup_steps:  # ordinary device work (and compiles): no exclusivity,
             return self._warmup(inputs)      # so other workers keep running while this one warms up
-        with gate_for(str(self._device)).exclusive():
+        # No FX trace may start in another thread meanwhile: it would make the step miss its
+        # compiled code and compile inside the capture (hazard global-fx-patcher).
+        with windows_held_off(), gate_for(str(self._device)).exclusive():
             return self._capture(inputs)
 
     # -- phases ---------------------------------------------------------------------------

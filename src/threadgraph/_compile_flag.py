@@ -1,0 +1,67 @@
+"""``torch.compiler.is_compiling()`` per thread (hazard global-compile-session-flag).
+
+Since 2.13 Dynamo holds ``torch.compiler._is_compiling_flag``, one module global, True for the
+whole of every compile (``_compile_session_context``), so code that AOTAutograd or a backend runs
+outside Dynamo's trace sees ``is_compiling()`` True. Every other thread sees it True too: eager
+code there takes its traced branch while any thread compiles. transformers' output collector
+(``CompileableContextVar``) then moves from a ContextVar to a process global, and threads running
+``output_hidden_states`` forwards at once take each other's hidden states.
+
+The patch ``compile_flag_per_thread`` (``_patches.PATCHES``) replaces ``_compile_session_context``
+with a session counted per thread (``SESSIONS``) and gives ``is_compiling`` the code of
+``is_compiling_in_this_thread`` below. The function object stays the same: Dynamo recognises it
+by identity and folds it to True while tracing, never calling it, so only eager calls run the
+new code. That code runs with ``torch.compiler``'s globals and reads the session counter through
+the name ``_compile_session_context`` there, the patched object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from typing import Any, Iterator
+
+import torch
+
+_COMPILE_SESSION_NAME = "_compile_session_context"
+
+
+class PerThreadCompileSession:
+    """Stands in for ``torch.compiler._compile_session_context``: ``with SESSIONS():`` marks the
+    calling thread as compiling, not the process."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    def active_here(self) -> bool:
+        """Whether the calling thread is inside a compile session of its own."""
+        return getattr(self._local, "depth", 0) > 0
+
+
+SESSIONS = PerThreadCompileSession()
+
+
+# The body that torch.compiler.is_compiling runs once patched. Its global names resolve in
+# torch.compiler's namespace, not this module's: ``torch`` and ``_is_compiling_flag`` (still set
+# process-wide by non-strict export) are upstream's, ``_compile_session_context`` is SESSIONS.
+def is_compiling_in_this_thread() -> bool:
+    if torch.jit.is_scripting():
+        return False
+    return _is_compiling_flag or _compile_session_context.active_here()  # type: ignore[name-defined]  # noqa: F821
+
+
+def replacement(original: Any) -> Any:
+    """``Patch.replace`` for both targets: the session object for ``_compile_session_context``,
+    the per-thread body for ``is_compiling.__code__``."""
+    if isinstance(original, types.CodeType):
+        return is_compiling_in_this_thread.__code__
+    return SESSIONS
