@@ -54,7 +54,7 @@ def _natural(tag: str) -> list:
 
 def collect(folder: Path, out_dir: Path) -> Path:
     """The folder's fence scenario records as the day's fence-matrix results file; its path."""
-    records = sorted(gpu_scenarios_results.read_records(folder, MODULE), key=lambda r: _natural(r["tag"]))
+    records = sorted(gpu_scenarios_results.read_records(folder, (MODULE,)), key=lambda r: _natural(r["tag"]))
     gpu, torch_version = gpu_scenarios_results.identity(records)
     last = gpu_scenarios_results.last_record_time(records)
     cells, repro = [], {v: [] for v in VARIANTS}

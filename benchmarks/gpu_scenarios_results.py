@@ -8,8 +8,11 @@ record (``<tag>.json``: arguments, exit status, seconds, the result it printed) 
 This script turns the records of ``tests/gpu_scenarios.py``'s scenarios into one phase, named by
 ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
 (a file of that date gets the phase added; a label it already has is refused), and writes the
-file's ``.md``. A run that failed is kept as ``{"error": ...}``; with the junit XML in the folder
-the phase also holds every test's outcome (``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000``
+file's ``.md``. The trainer runs of the trainer's GPU tests (``python -m examples.dflash_trainer``)
+are kept too, each as its mode, steps, losses, steady tokens/s and startup; a folder of trainer runs
+only names its GPU with ``--gpu`` (their records name torch, not the GPU). A run that failed is kept
+as ``{"error": ...}``; with the junit XML in the folder the phase also holds every test's outcome
+(``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000``
 gives the 1000-step figures of docs/results.md.
 """
 
@@ -28,6 +31,8 @@ import headlines  # noqa: E402
 import results_schema  # noqa: E402
 
 MODULE = "tests.gpu_scenarios"
+TRAINER = "examples.dflash_trainer"
+TRAINER_KEPT = ("mode", "placement", "total_steps", "losses", "tokens_per_s_steady", "startup_s", "build_s")
 OUTCOMES = "pytest_outcomes"
 
 
@@ -35,8 +40,10 @@ class NoRecords(SystemExit):
     """The folder holds no scenario records to collect."""
 
 
-def read_records(folder: Path, module: str = MODULE) -> list[dict]:
-    """The folder's records of runs of ``module``'s scenarios, with each file's modification time."""
+def read_records(folder: Path, modules: tuple = (MODULE, TRAINER)) -> list[dict]:
+    """The folder's records of runs of ``modules`` (the scenarios, the trainer), with each file's
+    modification time."""
+    modules = (modules,) if isinstance(modules, str) else tuple(modules)
     records = []
     for path in sorted(folder.glob("*.json")):
         try:
@@ -45,16 +52,25 @@ def read_records(folder: Path, module: str = MODULE) -> list[dict]:
             raise SystemExit(f"{path}: not a scenario record ({exc}); give the folder THREADGRAPH_GPU_LOG named")
         if not isinstance(record, dict) or "tag" not in record or "args" not in record:
             raise SystemExit(f"{path}: not a scenario record (no tag or args); give the folder THREADGRAPH_GPU_LOG named")
-        if record["args"][:2] == ["-m", module]:
+        if record["args"][:1] == ["-m"] and record["args"][1:2] and record["args"][1] in modules:
             records.append(dict(record, mtime=path.stat().st_mtime))
     if not records:
-        raise NoRecords(f"{folder}: no records of {module} runs; run the GPU tests with THREADGRAPH_GPU_LOG={folder}")
+        raise NoRecords(f"{folder}: no records of {' or '.join(modules)} runs; run the GPU tests with "
+                        f"THREADGRAPH_GPU_LOG={folder}")
     return records
 
 
+def is_trainer(record: dict) -> bool:
+    return record["args"][1] == TRAINER
+
+
 def entry(record: dict) -> dict:
-    """A record's result, or its failure."""
+    """A record's result (a trainer run's main figures), or its failure."""
     if record["rc"] == 0 and record["result"] is not None:
+        if is_trainer(record):
+            result = record["result"]
+            return {**{k: result.get(k) for k in TRAINER_KEPT}, "seconds": record["seconds"],
+                    "versions": (result.get("target_report") or {}).get("versions")}
         return record["result"]
     return {"error": f"exit {record['rc']}: {record.get('last_stderr_line') or 'no result printed'}",
             "seconds": record["seconds"]}
@@ -70,7 +86,8 @@ def outcomes(junit: Path) -> dict:
     for case in root.iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         verdict = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
-        out[name] = "passed" if verdict is None else f"{verdict.tag}: {(verdict.get('message') or '')[:200]}"
+        message = " ".join((verdict.get("message") or "").split())[:200] if verdict is not None else ""
+        out[name] = "passed" if verdict is None else f"{verdict.tag}: {message}"  # one line: a table cell
     return out
 
 
@@ -79,19 +96,25 @@ def last_record_time(records: list[dict]) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(max(r["mtime"] for r in records), datetime.timezone.utc)
 
 
-def identity(records: list[dict]) -> tuple[str, str]:
-    """The GPU and torch the scenarios ran on: one of each, or the records are of several runs."""
-    seen = {(r["result"]["gpu"], r["result"]["torch"]) for r in records if r["rc"] == 0 and r["result"]}
+def identity(records: list[dict], gpu: str | None = None) -> tuple[str, str]:
+    """The GPU and torch the scenarios ran on: one of each, or the records are of several runs. Trainer
+    runs alone name torch (their target's build record), and ``gpu`` the GPU."""
+    ran = [r for r in records if r["rc"] == 0 and r["result"]]
+    seen = {(r["result"]["gpu"], r["result"]["torch"]) for r in ran if not is_trainer(r)}
+    if not seen and gpu:
+        seen = {(gpu, v["torch"]) for v in (entry(r)["versions"] for r in ran if is_trainer(r)) if v}
+    elif not seen and ran:
+        raise SystemExit("the records are of trainer runs only, which do not name the GPU: give it with --gpu")
     if len(seen) != 1:
         raise SystemExit(f"the records name {len(seen)} GPU / torch pairs ({sorted(seen)}): "
                          "give a folder of one test run whose scenarios measured")
     return seen.pop()
 
 
-def collect(folder: Path, label: str, out_dir: Path) -> Path:
+def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> Path:
     """Add the folder's run as a phase of its day's results file; the file's path."""
     records = read_records(folder)
-    gpu, torch_version = identity(records)
+    gpu, torch_version = identity(records, gpu)
     last = last_record_time(records)
     env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
     path = out_dir / f"{common.results_stem(env, 'gpu-scenarios')}.json"
@@ -108,16 +131,27 @@ def collect(folder: Path, label: str, out_dir: Path) -> Path:
     return path
 
 
+def trainer_headline(result: dict) -> tuple | None:
+    """A trainer run's line: its mode and steps, its last loss, steady tokens/s and startup."""
+    if "error" in result or "mode" not in result:
+        return None
+    losses = result.get("losses") or [float("nan")]
+    return (f"trainer, {result['mode']}, {result['total_steps']} steps",
+            f"last loss {losses[-1]:.3f}, {result['tokens_per_s_steady']:.0f} tokens/s steady, "
+            f"startup {result['startup_s']:.1f} s (build {result['build_s']:.1f} s)")
+
+
 def render(data: dict, env: dict) -> str:
     lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
              "Written by `python -m benchmarks gpu-scenarios` from the records of the GPU tests "
-             "(`tests/gpu_scenarios.py`, each scenario in a fresh process); one section per phase, a test run.", ""]
+             "(`tests/gpu_scenarios.py` and the trainer's GPU tests, each run in a fresh process); one section per "
+             "phase, a test run.", ""]
     for label, phase in data.items():
         rows = []
         for tag, result in phase.items():
             if tag == OUTCOMES:
                 continue
-            headline = headlines.scenario_headline(tag, result)
+            headline = headlines.scenario_headline(tag, result) or trainer_headline(result)
             rows.append([tag, result.get("seconds"), result.get("error") or "ran",
                          f"{headline[0]}: {headline[1]}" if headline else "-"])
         lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]
@@ -125,7 +159,7 @@ def render(data: dict, env: dict) -> str:
         if tests:
             passed = sum(v == "passed" for v in tests.values())
             lines += [f"Tests: {passed} of {len(tests)} passed.", "",
-                      common.markdown_table(["test", "outcome"], list(tests.items())), ""]
+                      common.markdown_table(["test", "outcome"], [(t, " ".join(v.split())) for t, v in tests.items()]), ""]
     return "\n".join(lines)
 
 
@@ -134,12 +168,13 @@ def main(argv=None) -> int:
     p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
     p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
     args = p.parse_args(argv)
     if not args.folder.is_dir():
         p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
     if not args.label or " " in args.label:
         p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
-    path = collect(args.folder, args.label, common.results_dir(args.out_dir))
+    path = collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
     print(f"wrote {path} and its .md")
     return 0
 

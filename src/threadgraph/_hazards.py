@@ -241,7 +241,8 @@ HAZARDS: tuple[Hazard, ...] = (
         "target workers on 2.14.1).",
         "detected: `torch.compiler._compile_session_context` exists and `is_compiling` returns `_is_compiling_flag`",
         "2.13 - 2.15.0",
-        f"{READ}; run on 2.13.0 and 2.14.1 (CPU test), seen on 2.14.1 in the DFlash trainer on an H200",
+        f"{READ}; run on 2.13.0 and 2.14.1 (CPU test), seen on 2.14.1 in the DFlash trainer on an H200 (empty "
+        "caches: 4 of 5 target workers failed with an IndexError in each of 2 Trees runs)",
         (),
         "The patch `compile_flag_per_thread` counts compile sessions per thread and gives `is_compiling` a body "
         "that reads this thread's count (the function object is kept: Dynamo folds it by identity). "

@@ -132,8 +132,8 @@ PATCHES = [
     Patch("compile_flag_per_thread", "torch.compiler:_compile_session_context", "global-compile-session-flag",
           "2.13 - 2.15.0 (feature-detected)", "upstream keeps the compile session per thread", _NONE, None,
           applies=_compat.compile_session_flag_is_global, read=_READ,
-          run="CPU tests on 2.13.0, 2.14.1 (2 cores, no GPU); the DFlash trainer's cold start on an H200 (2.14.1) "
-              "failed without it",
+          run="CPU tests on 2.13.0, 2.14.1 (2 cores, no GPU), and on 2.14.1 on an NVIDIA H200; there the DFlash "
+              "trainer from empty caches lost its target workers' hidden states without it and ran in all 3 modes with it",
           changes="2.13.0 - 2.15.0: `compile_inner` enters `torch.compiler._compile_session_context()` unless "
                   "exporting; `is_compiling` returns the module global `_is_compiling_flag`",
           more_targets=lambda: ["torch.compiler:is_compiling.__code__"], replace=_compile_flag.replacement),

@@ -37,7 +37,7 @@ def suite(folder: Path) -> Path:
            result={"gpu": "NVIDIA H200", "torch": "2.12.0"})  # the fence's own benchmark keeps these
     (folder / "junit.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
-        '<testcase classname="tests.library.test_gpu" name="test_whole_step"><failure message="exit 1"/></testcase>'
+        '<testcase classname="tests.library.test_gpu" name="test_whole_step"><failure message="exit 1&#10;  Loading weights"/></testcase>'
         '</testsuite></testsuites>')
     return folder
 
@@ -65,7 +65,7 @@ def test_a_run_becomes_a_phase_of_its_days_file_with_failures_and_test_outcomes(
     assert phase["many_workers_8_steps_200"] == MANY
     assert phase["whole_step_steps_200"] == {"error": "exit 1: RuntimeError: capture failed", "seconds": 3.0}
     assert phase["pytest_outcomes"] == {"tests.library.test_gpu::test_many": "passed",
-                                        "tests.library.test_gpu::test_whole_step": "failure: exit 1"}
+                                        "tests.library.test_gpu::test_whole_step": "failure: exit 1 Loading weights"}
     assert headlines.gpu_scenarios(data) == [
         ("8 training workers on one GPU, 200 steps (suite)", "1600 steps/s against 150 for eager threads; 8 of 8 equal to alone"),
         ("one worker, step p50 (suite)", "failed: exit 1: RuntimeError: capture failed")]
@@ -87,7 +87,7 @@ def test_a_second_run_adds_a_phase_and_a_label_it_has_is_refused(tmp_path):
 def test_folders_of_no_records_corrupt_records_or_two_runs_are_refused(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(collector.NoRecords, match="no records of tests.gpu_scenarios runs"):
+    with pytest.raises(collector.NoRecords, match="no records of tests.gpu_scenarios or examples.dflash_trainer runs"):
         collector.collect(empty, "suite", tmp_path)
     two = suite(tmp_path / "two")
     other = dict(MANY, torch="2.12.0+cu130")
@@ -100,3 +100,27 @@ def test_folders_of_no_records_corrupt_records_or_two_runs_are_refused(tmp_path,
     with pytest.raises(SystemExit) as exit_:
         collector.main([str(tmp_path / "missing")])
     assert exit_.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+TRAINER_RUN = {"mode": "whole-step", "placement": "targets on cuda:0", "total_steps": 30, "losses": [7.4, 3.66],
+               "tokens_per_s_steady": 900000.0, "startup_s": 50.0, "build_s": 10.0, "workers": {"target-0": {}},
+               "target_report": {"versions": {"torch": "2.14.1+cu130", "python": "3.12.3"}, "bytes": {}}}
+
+
+def test_trainer_runs_are_kept_by_their_main_figures_and_name_torch_but_not_the_gpu(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    record(log, "dflash_modes_whole-step", ["-m", "examples.dflash_trainer", "--cuda-graphs", "whole-step"], result=TRAINER_RUN)
+    record(log, "dflash_modes_trees", ["-m", "examples.dflash_trainer", "--cuda-graphs", "trees"], rc=1)
+    with pytest.raises(SystemExit, match="trainer runs only, which do not name the GPU: give it with --gpu"):
+        collector.collect(log, "modes", tmp_path)
+    path = collector.collect(log, "modes", tmp_path, gpu="NVIDIA H200")
+    assert path.name == "gpu-scenarios_nvidia-h200_torch2.14.1_2025-12-01.json"
+    phase = json.loads(path.read_text())["modes (12:00 UTC)"]
+    assert phase["dflash_modes_whole-step"] == {
+        "mode": "whole-step", "placement": "targets on cuda:0", "total_steps": 30, "losses": [7.4, 3.66],
+        "tokens_per_s_steady": 900000.0, "startup_s": 50.0, "build_s": 10.0, "seconds": 3.0,
+        "versions": {"torch": "2.14.1+cu130", "python": "3.12.3"}}
+    assert phase["dflash_modes_trees"]["error"] == "exit 1: RuntimeError: capture failed"
+    md = path.with_suffix(".md").read_text()
+    assert "trainer, whole-step, 30 steps: last loss 3.660, 900000 tokens/s steady, startup 50.0 s (build 10.0 s)" in md

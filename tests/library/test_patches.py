@@ -1,3 +1,4 @@
+import inspect
 import threading
 
 import pytest
@@ -12,6 +13,14 @@ trees = _compat.cudagraph_trees()
 
 
 ABSENT = object()
+
+
+def held(owner, attribute):
+    """What the owner holds under ``attribute``: its own entry, or a slot of its type (a function's
+    ``__code__``, which a patch swaps while the function object stays); ABSENT for neither."""
+    if inspect.isdatadescriptor(getattr(type(owner), attribute, None)):
+        return getattr(owner, attribute)
+    return vars(owner).get(attribute, ABSENT)
 
 
 def _targets():
@@ -31,17 +40,17 @@ def _targets():
 def test_install_is_idempotent_and_uninstall_restores_the_exact_originals(clean_patches):
     targets = _targets()
     assert len(targets) > 50  # the fence's RNG entry points and ATen overloads are each a target
-    originals = {key: vars(owner).get(attr, ABSENT) for key, (owner, attr) in targets.items()}
+    originals = {key: held(owner, attr) for key, (owner, attr) in targets.items()}
     first = threadgraph.install()
     assert first, "nothing was patched"
-    wrapped = {key: vars(owner).get(attr, ABSENT) for key, (owner, attr) in targets.items()}
+    wrapped = {key: held(owner, attr) for key, (owner, attr) in targets.items()}
     applied = {p["name"] for p in threadgraph.patches() if p["active"]}
     assert all(wrapped[key] is not originals[key] for key in targets if key[0] in applied)
     assert threadgraph.install() == []
-    assert all(vars(owner).get(attr, ABSENT) is wrapped[key] for key, (owner, attr) in targets.items())
+    assert all(held(owner, attr) is wrapped[key] for key, (owner, attr) in targets.items())
     assert sorted(threadgraph.uninstall()) == sorted(first)
     for key, (owner, attr) in targets.items():
-        assert vars(owner).get(attr, ABSENT) is originals[key], key  # inherited ones are deleted again
+        assert held(owner, attr) is originals[key], key  # inherited ones are deleted again
     assert threadgraph.uninstall() == []
 
 
