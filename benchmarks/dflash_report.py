@@ -99,10 +99,13 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
                 f"{common.fmt(figures['ratio_sequential_to_gpu_bound'])}x" if limit is not None
                 else f"- GPU-bound limit: not available ({figures['gpu_bound_reason']})")
     workers = threaded.get("workers", {})
+    profiled = threaded.get("thread_profile") or {}
+    busy = profiled.get("threads", {})
     wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "setup s", "first step at s", "compile s", "peer compile wait s",
-             "capture s", "captures", "host ms per phase (p50)"]
+             "capture s", "captures", "GPU-busy share (profiled)", "host ms per phase (p50)"]
     wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w.get("setup_s"), w.get("first_step_at_s"),
               w.get("compile_s"), w.get("peer_compile_wait_s"), w.get("capture_s"), w["captures"],
+              busy.get(name, {}).get("busy_share", "-") if profiled else "-",
               format_phases(w.get("phases_p50_ms", {})) or "-"] for name, w in workers.items()]
     lines = [
         f"# DFlash drafter throughput: {form}", "", *common.header_lines(env),
@@ -125,8 +128,22 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         memory_line(env, figures, estimate),
         "", *startup_lines(threaded, sequential, figures),
         "", "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
+        *profile_lines(profiled),
     ]
     return "\n".join(lines)
+
+
+def profile_lines(profiled: dict) -> list[str]:
+    """The profiled window of the threaded run: each device's busy share, each launching thread's."""
+    if not profiled:
+        return []
+    devices = "; ".join(f"cuda:{d} busy {common.fmt(v['busy_share'])} of the window" for d, v in profiled["devices"].items())
+    rows = [[name, t["kernel_ms"], t["busy_ms"], t["busy_share"], t["launches"], t["graph_launches"]]
+            for name, t in profiled["threads"].items()]
+    return [f"Profiled window ({common.fmt(profiled['window_ms'] / 1000, 1)} s of steady state, CUDA activity only): "
+            f"{devices}; kernels of two threads at once {common.fmt(profiled['concurrent_ms'], 1)} ms.", "",
+            common.markdown_table(["launching thread", "kernel ms", "busy ms", "busy share", "launches", "graph launches"],
+                                  rows), ""]
 
 
 def memory_line(env: dict, figures: dict, estimate: Optional[dict]) -> str:
@@ -157,6 +174,33 @@ def startup_lines(threaded: dict, sequential: dict, figures: dict) -> list[str]:
         f"{inductor_cache(sequential)}; Dynamo's compile phases, seconds over all threads:",
         "", common.markdown_table(["phase", "threaded", "sequential"], rows) if rows else "(none recorded)",
     ]
+
+
+def memory_estimate_gib(cfg) -> dict:
+    """The trainer's own estimate of what the threaded run needs on each device, GiB by part
+    (``sizes.per_device``, the figure it refuses a run on): set beside the cells' measured peaks."""
+    from examples.dflash_trainer.assets import sizes
+    from examples.dflash_trainer.pipeline import resolve_inputs
+    from examples.dflash_trainer.policy import ExecutionPolicy
+    from examples.dflash_trainer.target import TargetSource
+
+    devices = cfg.device_list
+    policy = ExecutionPolicy.resolve(cfg, devices)
+    shape = TargetSource(resolve_inputs(cfg)[0], cfg.num_feature_layers, policy.target_dtype).shape()
+    parts = sizes.per_device(cfg, shape.config, sum(p.numel() for p in shape.model.parameters()),
+                             policy.target_dtype, devices)
+    return {k: v / sizes.GiB for k, v in parts.items()}
+
+
+def target_params(assets_kind: str, target_shape) -> int:
+    """The target's parameter count, from its build report (both builds are cached by now)."""
+    from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.assets.shapes import shape_target
+
+    assets = default_assets(spec=BuildSpec.tiny() if assets_kind == "tiny" else None)
+    if target_shape is not None:
+        return shape_target(target_shape, assets).report["num_parameters"]
+    return assets.load_report()["num_parameters"]
 
 
 def _random_shapes():

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 import dflash_processes  # noqa: E402
 import dflash_report  # noqa: E402
+import thread_profile  # noqa: E402
 from results_schema import EMPTY, SHARED  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,35 +62,49 @@ from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
 PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
 
 
-def run_threaded(cfg) -> dict:
+def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     """The trainer itself. startup_s: from the call of ``train`` (pipeline build, model loads, worker
     setups, compilation, capture) to the end of the first tokens/s window, the first LOG_EVERY
     drafter steps; the steady figure is the median of the windows after it, without the last one,
-    which holds the pipeline's drain (the targets have stopped feeding; it is reported apart)."""
+    which holds the pipeline's drain (the targets have stopped feeding; it is reported apart).
+    With ``profile_s`` on a GPU, the first steady window starts a profiled window of that many
+    seconds (thread_profile.py: each thread's share of the device); windows it overlapped leave
+    the steady figure when two others remain."""
     from examples.dflash_trainer.train import train
 
-    windows, first_window_end = [], []
+    windows, ends = [], []
+    profile = thread_profile.ThreadProfile(profile_s) if profile_s > 0 and common.on_gpu() else None
 
     def progress(record):
         if "tokens_per_s" in record:
             windows.append(record["tokens_per_s"])
-            if not first_window_end:
-                first_window_end.append(time.perf_counter())
+            ends.append(time.perf_counter())
+            if profile is not None and len(windows) == 1:
+                profile.start()
 
     t0 = time.perf_counter()
     results = train(cfg, progress=progress)
-    steady = windows[1:-1] if len(windows) > 2 else windows[1:] or windows
+    profiled = profile.result() if profile is not None else None
+    steady_ids = list(range(1, len(windows) - 1)) if len(windows) > 2 else list(range(1, len(windows))) or [0]
+    overlapped = []
+    if profiled is not None:
+        overlapped = [i for i in steady_ids if ends[i] > profile.started_at and ends[i - 1] < profile.ended_at]
+        if len(steady_ids) - len(overlapped) >= 2:
+            steady_ids = [i for i in steady_ids if i not in overlapped]
+    steady = [windows[i] for i in steady_ids]
     return {
         "tokens_per_s": statistics.median(steady),
         "tokens_per_s_last_window": windows[-1],
         "windows_tokens_per_s": windows,
         "steady_windows": len(steady),
-        "startup_s": first_window_end[0] - t0,
+        "startup_s": ends[0] - t0,
         "placement": results.placement,
         "mode": results.mode,
         "gil_switch_interval_ms": results.gil_switch_interval_ms,
         "loss_last": results.last.get("loss"),
         "workers": results.to_json()["workers"],
+        "thread_profile": profiled,
+        "profiled_windows": overlapped,
         "build_s": results.build_s,
         "compile_phases_s": common.compile_phases(),
         "peak_memory_gib": common.peak_memory_gib(cfg.device_list),
@@ -285,6 +300,9 @@ def parse_args(argv=None):
     p.add_argument("--processes", type=int, default=0, metavar="N",
                    help="also run the processes pipeline: N ranks under torchrun, one per device of --devices "
                         "(on a CPU, N ranks on the cpu), gradients averaged over them (dflash_processes.py)")
+    p.add_argument("--profile-seconds", type=float, default=3.0,
+                   help="GPU: profile this many seconds of the threaded run's steady state, attributing the device's "
+                        "kernels to the threads that launched them (0: off; default %(default)s)")
     p.add_argument("--cell-timeout", type=int, default=600)
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("--cell", choices=("threaded", "sequential"), help=argparse.SUPPRESS)
@@ -329,7 +347,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
         cfg = TrainConfig.from_dict(json.loads(args.cell_config))
         if args.cell == "threaded":
-            result = run_threaded(cfg)
+            result = run_threaded(cfg, profile_s=args.profile_seconds)
         else:
             result = run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
         common.finish_cell(args.cell_out, result, default=str)
@@ -341,7 +359,7 @@ def main(argv=None) -> int:
         except BadInput as err:  # a shape with no room to build, for one
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        estimate = memory_estimate_gib(cfg)  # before the cells: a failure here loses no measurement
+        estimate = dflash_report.memory_estimate_gib(cfg)  # before the cells: a failure here loses no measurement
         results = {}
         shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
         for name in ("threaded", "sequential", *(("processes",) if args.processes else ())):
@@ -360,39 +378,12 @@ def main(argv=None) -> int:
     common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
                                              "shape": shape, "graphs": graphs(args),
-                                             "target_params": _target_params(args),
+                                             "target_params": dflash_report.target_params(args.assets, args.target_shape),
                                              "memory_estimate_gib_by_part": estimate,
                                              **results, **figures})
     (out / f"{stem}.md").write_text(text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
-
-
-def memory_estimate_gib(cfg) -> dict:
-    """The trainer's own estimate of what the threaded run needs on each device, GiB by part
-    (``sizes.per_device``, the figure it refuses a run on): set beside the cells' measured peaks."""
-    from examples.dflash_trainer.assets import sizes
-    from examples.dflash_trainer.pipeline import resolve_inputs
-    from examples.dflash_trainer.policy import ExecutionPolicy
-    from examples.dflash_trainer.target import TargetSource
-
-    devices = cfg.device_list
-    policy = ExecutionPolicy.resolve(cfg, devices)
-    shape = TargetSource(resolve_inputs(cfg)[0], cfg.num_feature_layers, policy.target_dtype).shape()
-    parts = sizes.per_device(cfg, shape.config, sum(p.numel() for p in shape.model.parameters()),
-                             policy.target_dtype, devices)
-    return {k: v / sizes.GiB for k, v in parts.items()}
-
-
-def _target_params(args) -> int:
-    """The target's parameter count, from its build report (both builds are cached by now)."""
-    from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
-    from examples.dflash_trainer.assets.shapes import shape_target
-
-    assets = default_assets(spec=BuildSpec.tiny() if args.assets == "tiny" else None)
-    if args.target_shape is not None:
-        return shape_target(args.target_shape, assets).report["num_parameters"]
-    return assets.load_report()["num_parameters"]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
-#   tools/gpu_evidence.sh throughput # one DFlash throughput cell: 0.6b shape, Trees
+#   tools/gpu_evidence.sh throughput [SHAPE [GRAPHS]]  # one DFlash throughput cell (default 0.6b, trees),
+#                                    # with a profiled window of each thread's share of the GPU
 #   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
 #   tools/gpu_evidence.sh drafter    # the drafter's Trees step in 4 placements at once; on a failure, the
 #                                    # switches that each take one suspect away; the fused attention ops compiled
@@ -78,7 +79,8 @@ print("reduce-overhead replay matches eager")'
     step fence-matrix python3 -m benchmarks fence-matrix "$THREADGRAPH_GPU_LOG"
     ;;
   throughput)
-    step dflash-throughput python3 -m benchmarks dflash-throughput --target-shape 0.6b --cuda-graphs trees
+    step "dflash-throughput-${2:-0.6b}-${3:-trees}" python3 -m benchmarks dflash-throughput --target-shape "${2:-0.6b}" \
+      --cuda-graphs "${3:-trees}"
     ;;
   startup)
     step trainer-startup python3 -m benchmarks trainer-startup --no-restart

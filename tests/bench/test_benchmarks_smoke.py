@@ -97,6 +97,7 @@ def test_dflash_throughput_quick(runs):
         assert data[name]["tokens_per_s"] > 0
     windows = data["threaded"]["windows_tokens_per_s"]
     assert len(windows) == 3 and data["threaded"]["steady_windows"] == 1
+    assert data["threaded"]["thread_profile"] is None and data["threaded"]["profiled_windows"] == []  # GPU only
     assert data["tokens_per_s_threaded"] == windows[1] and data["tokens_per_s_last_window_threaded"] == windows[-1]
     assert data["ratio"] is not None
     assert 0 < data["startup_s_threaded"] < data["seconds"] and 0 < data["startup_s_sequential"] < data["seconds"]
