@@ -4,6 +4,8 @@ a test that passes never waits them out."""
 import threading
 import time
 
+import torch
+
 
 def run_in_thread(fn, *args, timeout=60):
     """Run ``fn`` in a fresh Python thread; return its result or re-raise its exception."""
@@ -30,3 +32,18 @@ def until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
         time.sleep(0.001)
+
+
+
+class ParkedTrace(torch.nn.Module):
+    """A module whose forward, traced by torch.fx, waits until ``release`` is set, so a test can act
+    while a trace is open; ``tracing`` is set once the trace is inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracing, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.tracing.set()
+        assert self.release.wait(60), "the test never let the trace end"
+        return x + 1

@@ -23,6 +23,8 @@ import threadgraph
 from threadgraph import _first_call, _fx_window
 from threadgraph._gate import gate_for
 
+from tests.threads import ParkedTrace
+
 _new_patcher = torch.fx._symbolic_trace._new_patcher  # the original, before any install()
 
 
@@ -32,19 +34,6 @@ class Layer(torch.nn.Linear):
 
     def __call__(self, *args, **kwargs):
         return super().__call__(*args, **kwargs)
-
-
-class ParkedTrace(torch.nn.Module):
-    """A module whose forward, traced by torch.fx, waits until told to go on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tracing, self.release = threading.Event(), threading.Event()
-
-    def forward(self, x):
-        self.tracing.set()
-        assert self.release.wait(60), "the test never let the trace end"
-        return x + 1
 
 
 @pytest.fixture
@@ -389,8 +378,9 @@ RESET_AND_RECOMPILE = RESET_DURING_A_WAIT.replace("threadgraph.install()\n", tex
 
 def _run_script(script: str) -> subprocess.CompletedProcess:
     here = Path(__file__).resolve().parent
+    paths = [str(here.parents[1] / "src"), str(here.parents[1]), str(here)]  # threadgraph, tests.threads, this module
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=here,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1] / "src"), str(here)])))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)))
 
 
 @pytest.mark.parametrize("script", [RESET_DURING_A_WAIT, RESET_AND_RECOMPILE], ids=["reset", "reset-and-recompile"])

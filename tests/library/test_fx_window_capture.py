@@ -13,18 +13,7 @@ import torch
 import threadgraph
 from threadgraph import _fx_window
 
-
-class ParkedTrace(torch.nn.Module):
-    """A module whose forward, traced by torch.fx, waits until told to go on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tracing, self.release = threading.Event(), threading.Event()
-
-    def forward(self, x):
-        self.tracing.set()
-        assert self.release.wait(60), "the test never let the trace end"
-        return x + 1
+from tests.threads import ParkedTrace
 
 
 @pytest.fixture
