@@ -73,11 +73,14 @@ if hasattr(os, "register_at_fork"):
 @contextlib.contextmanager
 def _window(patcher: ContextManager[Any]) -> Iterator[Any]:
     ident = threading.get_ident()
-    with _changed:
-        if ident not in _open and _captures_elsewhere(ident):
-            _wait_for_captures(ident)
-        name, depth, serial = _open.get(ident, (threading.current_thread().name, 0, 0))
-        _open[ident] = (name, depth + 1, serial or next(_serials))
+    waited = False
+    while True:
+        with _changed:  # the check and the registration at once: no capture starts between them
+            if ident in _open or waited or not _captures_elsewhere(ident):
+                name, depth, serial = _open.get(ident, (threading.current_thread().name, 0, 0))
+                _open[ident] = (name, depth + 1, serial or next(_serials))
+                break
+        waited = not _wait_for_captures(ident)  # a wait that timed out is not repeated
     try:
         with patcher as inner:
             yield inner
@@ -96,14 +99,20 @@ def _captures_elsewhere(me: int) -> list[str]:
     return sorted(name for ident, name in _holding.items() if ident != me)
 
 
-def _wait_for_captures(me: int) -> None:
-    """With ``_changed`` held, in a thread about to open a window: wait for other threads' whole-step
-    captures to end (a window open meanwhile would make the captured step miss its cache)."""
-    names = ", ".join(_captures_elsewhere(me))
-    log.debug("threadgraph: FX trace in %s waits for the whole-step capture in %s", threading.current_thread().name, names)
-    if not _changed.wait_for(lambda: not _captures_elsewhere(me), timeout=DEFAULT_TIMEOUT_S):
+def _wait_for_captures(me: int) -> bool:
+    """In a thread about to open a window, its device slot given up: wait for other threads'
+    whole-step captures to end (a window open meanwhile would make the captured step miss its
+    cache); whether they did before the timeout."""
+    with _changed:
+        names = ", ".join(_captures_elsewhere(me))
+    state = current_worker()
+    with released(), doing(state, f"waiting for the whole-step capture in {names}"):
+        with _changed:
+            ended = _changed.wait_for(lambda: not _captures_elsewhere(me), timeout=DEFAULT_TIMEOUT_S)
+    if not ended:
         log.warning("threadgraph: waited %g s for the whole-step capture in %s to end; tracing anyway (that capture "
                     "may fail to find its compiled code)", DEFAULT_TIMEOUT_S, names)
+    return ended
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import torch
 
 import threadgraph
 from threadgraph import _fx_window
+from threadgraph._gate import gate_for
 
 from tests.threads import ParkedTrace
 
@@ -86,3 +87,23 @@ def test_inside_a_trace_of_its_own_a_thread_holds_nothing_off(shim):
 
     torch.fx.symbolic_trace(Inner())
     assert seen == {"holding": []}
+
+
+def test_a_worker_whose_trace_waits_for_a_capture_gives_up_its_device_slot_meanwhile(shim):
+    """The capture takes the device exclusively after its hold: a tracing worker keeping its slot
+    while it waits would wait for that capture forever."""
+    gate, module, order = gate_for("cuda:0"), ParkedTrace(), []
+    module.release.set()
+
+    def worker():
+        with gate.shared():
+            torch.fx.symbolic_trace(module)
+            order.append("traced")
+
+    with _fx_window.windows_held_off():
+        tracer = start(worker, "worker")
+        assert not module.tracing.wait(0.5)
+        with gate.exclusive():  # would hang if the waiting worker still held its slot
+            order.append("captured")
+    tracer.join(30)
+    assert order == ["captured", "traced"]
