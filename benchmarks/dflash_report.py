@@ -100,7 +100,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
                 else f"- GPU-bound limit: not available ({figures['gpu_bound_reason']})")
     workers = threaded.get("workers", {})
     profiled = threaded.get("thread_profile") or {}
-    busy = profiled.get("threads", {})
+    busy = profiled.get("threads", {})  # absent when the profile failed
     wcols = ["worker", "device", "p50 ms", "p90 ms", "steps", "setup s", "first step at s", "compile s", "peer compile wait s",
              "capture s", "captures", "GPU-busy share (profiled)", "host ms per phase (p50)"]
     wrows = [[name, w["device"], w["p50_ms"], w["p90_ms"], w["steps"], w.get("setup_s"), w.get("first_step_at_s"),
@@ -137,11 +137,15 @@ def profile_lines(profiled: dict) -> list[str]:
     """The profiled window of the threaded run: each device's busy share, each launching thread's."""
     if not profiled:
         return []
+    if "error" in profiled:
+        return [f"Profiled window: failed ({profiled['error']}).", ""]
     devices = "; ".join(f"cuda:{d} busy {common.fmt(v['busy_share'])} of the window" for d, v in profiled["devices"].items())
     rows = [[name, t["kernel_ms"], t["busy_ms"], t["busy_share"], t["launches"], t["graph_launches"]]
             for name, t in profiled["threads"].items()]
     return [f"Profiled window ({common.fmt(profiled['window_ms'] / 1000, 1)} s of steady state, CUDA activity only): "
-            f"{devices}; kernels of two threads at once {common.fmt(profiled['concurrent_ms'], 1)} ms.", "",
+            f"{devices}; kernels of two threads at once {common.fmt(profiled['concurrent_ms'], 1)} ms"
+            + (" (training ended inside the window: the shares count its idle end)" if profiled.get("training_ended_inside")
+               else "") + ".", "",
             common.markdown_table(["launching thread", "kernel ms", "busy ms", "busy share", "launches", "graph launches"],
                                   rows), ""]
 

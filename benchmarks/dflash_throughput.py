@@ -84,13 +84,24 @@ def run_threaded(cfg, profile_s: float = 0.0) -> dict:
 
     t0 = time.perf_counter()
     results = train(cfg, progress=progress)
-    profiled = profile.result() if profile is not None else None
+    trained = time.perf_counter()
+    profiled = None
+    if profile is not None:
+        try:
+            profiled = profile.result()
+        except Exception as exc:  # a profiler that failed costs the profile, not the measured run
+            profiled = {"error": f"{type(exc).__name__}: {exc}"}
     steady_ids = list(range(1, len(windows) - 1)) if len(windows) > 2 else list(range(1, len(windows))) or [0]
     overlapped = []
-    if profiled is not None:
-        overlapped = [i for i in steady_ids if ends[i] > profile.started_at and ends[i - 1] < profile.ended_at]
+    if profiled is not None and profile.started_at is not None:
+        ended = profile.ended_at if profile.ended_at is not None else float("inf")
+        overlapped = [i for i in steady_ids if ends[i] > profile.started_at and ends[i - 1] < ended]
+        if "error" not in profiled and trained < ended:
+            profiled["training_ended_inside"] = True  # the busy shares then count the idle end too
         if len(steady_ids) - len(overlapped) >= 2:
             steady_ids = [i for i in steady_ids if i not in overlapped]
+        else:
+            overlapped = []  # kept in the steady figure: too few windows would remain
     steady = [windows[i] for i in steady_ids]
     return {
         "tokens_per_s": statistics.median(steady),

@@ -97,14 +97,23 @@ def last_record_time(records: list[dict]) -> datetime.datetime:
 
 
 def identity(records: list[dict], gpu: str | None = None) -> tuple[str, str]:
-    """The GPU and torch the scenarios ran on: one of each, or the records are of several runs. Trainer
-    runs alone name torch (their target's build record), and ``gpu`` the GPU."""
-    ran = [r for r in records if r["rc"] == 0 and r["result"]]
-    seen = {(r["result"]["gpu"], r["result"]["torch"]) for r in ran if not is_trainer(r)}
-    if not seen and gpu:
-        seen = {(gpu, v["torch"]) for v in (entry(r)["versions"] for r in ran if is_trainer(r)) if v}
-    elif not seen and ran:
-        raise SystemExit("the records are of trainer runs only, which do not name the GPU: give it with --gpu")
+    """The GPU and torch the runs had: one of each, or the records are of several runs. A scenario
+    names them in its result; a trainer run's record names the machine's (older records name only
+    the torch that built the target, and ``gpu`` the GPU)."""
+    seen = set()
+    for r in records:
+        if r["rc"] != 0 or not r["result"]:
+            continue
+        if not is_trainer(r):
+            seen.add((r["result"]["gpu"], r["result"]["torch"]))
+        elif r.get("machine"):
+            seen.add((r["machine"]["gpu"], r["machine"]["torch"]))
+        elif gpu and entry(r)["versions"]:
+            seen.add((gpu, entry(r)["versions"]["torch"]))
+        else:
+            raise SystemExit(f"{r['tag']}: a trainer run whose record names no GPU: give it with --gpu")
+    if gpu and any(g != gpu for g, _ in seen):
+        print(f"warning: --gpu {gpu!r} ignored where the records name the GPU", file=sys.stderr)
     if len(seen) != 1:
         raise SystemExit(f"the records name {len(seen)} GPU / torch pairs ({sorted(seen)}): "
                          "give a folder of one test run whose scenarios measured")
@@ -126,19 +135,21 @@ def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> 
     if junit.exists():
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
+    text = render(data, env)  # before writing anything: a failure leaves the file as it was
     common.write_json(path, data)
-    path.with_suffix(".md").write_text(render(data, env))
+    path.with_suffix(".md").write_text(text)
     return path
 
 
 def trainer_headline(result: dict) -> tuple | None:
-    """A trainer run's line: its mode and steps, its last loss, steady tokens/s and startup."""
+    """A trainer run's line: its mode and steps, its last loss, steady tokens/s and startup (a figure
+    the run did not give is said as such)."""
     if "error" in result or "mode" not in result:
         return None
-    losses = result.get("losses") or [float("nan")]
+    losses = result.get("losses") or [None]
     return (f"trainer, {result['mode']}, {result['total_steps']} steps",
-            f"last loss {losses[-1]:.3f}, {result['tokens_per_s_steady']:.0f} tokens/s steady, "
-            f"startup {result['startup_s']:.1f} s (build {result['build_s']:.1f} s)")
+            f"last loss {common.fmt(losses[-1], 3)}, {common.fmt(result.get('tokens_per_s_steady'), 0)} tokens/s "
+            f"steady, startup {common.fmt(result.get('startup_s'), 1)} s (build {common.fmt(result.get('build_s'), 1)} s)")
 
 
 def render(data: dict, env: dict) -> str:

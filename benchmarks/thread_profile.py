@@ -1,7 +1,8 @@
 """Which host thread's GPU work fills the device: a window of a running process under torch.profiler
 (CUDA activity: kernels, copies and the CUDA runtime calls that launched them), each kernel
 attributed to the thread whose runtime call (``cudaLaunchKernel``, ``cudaGraphLaunch``, ...) has
-its correlation id.
+its correlation id (``cuda_runtime`` and ``cuda_driver`` events: Triton's kernels go through the
+driver's ``cuLaunchKernel``).
 
     probe = ThreadProfile(seconds=3.0)
     probe.start()            # from any thread: the profile runs in a helper thread of its own
@@ -21,7 +22,6 @@ more than the device's.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 OTHER, UNATTRIBUTED = "other threads", "unattributed"
 
 
@@ -50,7 +52,7 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
     events = trace.get("traceEvents", [])
     launcher = {}  # correlation id -> (thread id, runtime call name)
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {}):
             launcher[e["args"]["correlation"]] = (e.get("tid"), e.get("name", ""))
     by_device: dict = {}
     by_thread: dict = {}
@@ -67,7 +69,7 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
         entry["kernel_us"] += span[1] - span[0]
         correlation = e.get("args", {}).get("correlation")
         entry["launches"].add(correlation)
-        if call.startswith("cudaGraphLaunch"):
+        if call.startswith(GRAPH_LAUNCHES):
             entry["graph_launches"].add(correlation)
     devices = {d: {"busy_ms": round(union_ms(s), 3), "busy_share": _share(union_ms(s), window_ms)} for d, s in sorted(by_device.items())}
     threads = {}
@@ -99,7 +101,8 @@ class ThreadProfile:
         self._figures: Optional[dict] = None
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self.started_at = self.ended_at = None  # time.perf_counter() of the window's ends
+        # time.perf_counter() when the profile began to cost the workers, and when it stopped
+        self.started_at = self.ended_at = None
 
     def start(self) -> None:
         if self._thread is None:
@@ -118,18 +121,21 @@ class ThreadProfile:
 
         if not torch.cuda.is_available():
             return None
+        self.started_at = time.perf_counter()  # the profiler's own setup counts as the window's
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
-        self.started_at = time.perf_counter()
+        started = time.perf_counter()
         time.sleep(self.seconds)
-        self.ended_at = time.perf_counter()
         names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+        window_ms = (time.perf_counter() - started) * 1000
         prof.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "trace.json"
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
-        return attribute(trace, names, (self.ended_at - self.started_at) * 1000)
+        figures = attribute(trace, names, window_ms)
+        self.ended_at = time.perf_counter()  # and so do the export and the attribution, which hold the GIL
+        return figures
 
     def result(self, timeout: float = 600.0) -> Optional[dict]:
         """The window's figures (None without a GPU, or if it never started); raises what it raised."""
@@ -142,6 +148,3 @@ class ThreadProfile:
             raise self._error
         return self._figures
 
-
-if __name__ == "__main__":  # the figures of a trace file: python benchmarks/thread_profile.py TRACE.json WINDOW_MS
-    print(json.dumps(attribute(json.loads(Path(sys.argv[1]).read_text()), {}, float(sys.argv[2])), indent=1))

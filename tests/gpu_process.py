@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,15 +60,18 @@ def run_json(tag: str, args: list, timeout: float = 580) -> dict:
 def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess, seconds: float,
             printed) -> None:
     """The run as JSON beside its log, what ``benchmarks/gpu_scenarios_results.py`` collects: its
-    arguments, exit status, seconds and the result it printed (None when it printed none)."""
+    arguments, exit status, seconds, the result it printed (None when it printed none) and the torch
+    and GPU of the machine (the trainer's result names neither)."""
     stderr = [line for line in proc.stderr.splitlines() if line.strip()]
-    last = stderr[-1][:300] if stderr else None
+    errors = [line for line in stderr if line.startswith("error:")]  # the trainer's one-line failure, if any
+    last = (errors or stderr)[-1][:300] if stderr else None
     try:
         result = json.loads(printed) if printed else None
     except ValueError as exc:  # kept as the run's failure: the collector reports it, run_json fails the test
         result, last = None, f"its last stdout line is not JSON ({exc})"
+    machine = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     path.write_text(json.dumps({"tag": tag, "args": [str(a) for a in args], "rc": proc.returncode, "seconds": seconds,
-                                "result": result, "last_stderr_line": last}))
+                                "result": result, "last_stderr_line": last, "machine": machine}))
 
 
 def scenario(name: str, *args, timeout: float = 580, module: str = "tests.gpu_scenarios") -> dict:

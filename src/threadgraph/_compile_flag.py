@@ -11,7 +11,7 @@ The patch ``compile_flag_per_thread`` (``_patches.PATCHES``) replaces ``_compile
 with a session counted per thread (``SESSIONS``) and gives ``is_compiling`` the code of
 ``is_compiling_in_this_thread`` below. The function object stays the same: Dynamo recognises it
 by identity and folds it to True while tracing, never calling it, so only eager calls run the
-new code. That code runs with ``torch.compiler``'s globals and reads the session counter through
+new code; the body keeps upstream's file name, so Dynamo's skip rules never trace it either. That code runs with ``torch.compiler``'s globals and reads the session counter through
 the name ``_compile_session_context`` there, the patched object.
 """
 
@@ -56,12 +56,23 @@ SESSIONS = PerThreadCompileSession()
 def is_compiling_in_this_thread() -> bool:
     if torch.jit.is_scripting():
         return False
-    return _is_compiling_flag or _compile_session_context.active_here()  # type: ignore[name-defined]  # noqa: F821
+    else:
+        return _is_compiling_flag or _compile_session_context.active_here()  # noqa: F821
+
+
+def body_for(original: types.CodeType) -> types.CodeType:
+    """The per-thread body under the original's file, line and name: Dynamo's skip rules (by file)
+    still keep it out of traces, and ``inspect`` and TorchScript read upstream's source, which
+    answers as this body does under scripting (False)."""
+    return is_compiling_in_this_thread.__code__.replace(
+        co_filename=original.co_filename, co_firstlineno=original.co_firstlineno, co_name=original.co_name,
+        **({"co_qualname": original.co_qualname} if hasattr(original, "co_qualname") else {}))
 
 
 def replacement(original: Any) -> Any:
     """``Patch.replace`` for both targets: the session object for ``_compile_session_context``,
     the per-thread body for ``is_compiling.__code__``."""
     if isinstance(original, types.CodeType):
-        return is_compiling_in_this_thread.__code__
+        return body_for(original)
+    SESSIONS.__threadgraph_original__ = original  # marks it threadgraph's for any registry
     return SESSIONS

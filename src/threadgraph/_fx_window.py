@@ -53,6 +53,7 @@ _open: dict[int, tuple[str, int, int]] = {}  # thread ident -> (thread name, win
 _waiting: dict[int, str] = {}  # thread ident -> name, of the threads waiting for others' windows
 _given_up: set[int] = set()  # serials of open windows a wait timed out on: no one waits for them again
 _holding: dict[int, str] = {}  # thread ident -> name, of the threads capturing a whole step: no new window opens meanwhile
+MAX_WAITS = 3  # captures in a row a trace waits for before it opens its window anyway
 _serials = itertools.count(1)
 
 
@@ -73,14 +74,16 @@ if hasattr(os, "register_at_fork"):
 @contextlib.contextmanager
 def _window(patcher: ContextManager[Any]) -> Iterator[Any]:
     ident = threading.get_ident()
-    waited = False
+    # A thread holding a device exclusively never waits (the capture may need that device); one
+    # whose wait timed out, or that waited for MAX_WAITS captures in a row, goes on.
+    waits = MAX_WAITS if in_exclusive_section() else 0
     while True:
         with _changed:  # the check and the registration at once: no capture starts between them
-            if ident in _open or waited or not _captures_elsewhere(ident):
+            if ident in _open or waits >= MAX_WAITS or not _captures_elsewhere(ident):
                 name, depth, serial = _open.get(ident, (threading.current_thread().name, 0, 0))
                 _open[ident] = (name, depth + 1, serial or next(_serials))
                 break
-        waited = not _wait_for_captures(ident)  # a wait that timed out is not repeated
+        waits = waits + 1 if _wait_for_captures(ident) else MAX_WAITS
     try:
         with patcher as inner:
             yield inner
@@ -125,12 +128,7 @@ def windows_held_off() -> Iterator[None]:
         yield
         return
     me = threading.get_ident()
-    while True:
-        wait_for_other_traces()
-        with _changed:
-            if not _others(me):
-                _holding[me] = threading.current_thread().name
-                break
+    _hold(me)
     try:
         yield
     finally:
@@ -139,21 +137,31 @@ def windows_held_off() -> Iterator[None]:
             _changed.notify_all()
 
 
+def _hold(me: int) -> None:
+    """Wait for other threads' open windows to close, then hold new ones off (at once, under the lock)."""
+    while True:
+        wait_for_other_traces()
+        with _changed:
+            if not _others(me):
+                _holding[me] = threading.current_thread().name
+                return
+
+
 @contextlib.contextmanager
 def hold_lifted() -> Iterator[None]:
     """Around a compile: a capture compiling (its code missed for another reason) lets traces
-    elsewhere go on, as they may hold the compile lock it needs."""
+    elsewhere go on, as they may hold the compile lock it needs; the hold comes back once the
+    windows opened meanwhile have closed."""
     me = threading.get_ident()
     with _changed:
-        name = _holding.pop(me, None)
-        if name is not None:
+        lifted = _holding.pop(me, None) is not None
+        if lifted:
             _changed.notify_all()
     try:
         yield
     finally:
-        if name is not None:
-            with _changed:
-                _holding[me] = name
+        if lifted:
+            _hold(me)
 
 
 def trace_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> ContextManager[Any]:

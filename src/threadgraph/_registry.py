@@ -13,7 +13,6 @@ import inspect
 import logging
 import threading
 import types
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import wrapt
@@ -21,7 +20,6 @@ import wrapt
 from . import _compat
 
 log = logging.getLogger("threadgraph")
-_PACKAGE = Path(__file__).parent
 
 
 class PatchWrapper(wrapt.FunctionWrapper):
@@ -96,9 +94,12 @@ def patch_names(names: Optional[Iterable[str]], argument: str) -> frozenset:
     return names
 
 
+_SWAPPED_IN: set = set()  # the function bodies (code objects) threadgraph swapped in; they cannot be marked
+
+
 def _is_threadgraphs(value: Any) -> bool:
     if isinstance(value, types.CodeType):  # a function's body swapped in (the function keeps its identity)
-        return Path(value.co_filename).parent == _PACKAGE
+        return value in _SWAPPED_IN
     return isinstance(value, PatchWrapper) or hasattr(value, "__threadgraph_original__")
 
 
@@ -165,7 +166,10 @@ class Registry:
                         current = getattr(owner, attribute) if original is _ABSENT else original
                         if _is_threadgraphs(current):
                             continue
-                        setattr(owner, attribute, patch.replacement_for(current))
+                        replacement = patch.replacement_for(current)
+                        if isinstance(replacement, types.CodeType):
+                            _SWAPPED_IN.add(replacement)
+                        setattr(owner, attribute, replacement)
                         replaced.append((owner, attribute, original))
                         log.debug("threadgraph: patched %s (%s)", target, patch.name)
                     if not replaced:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import gpu_process
 
@@ -21,10 +22,11 @@ MANY = {"together_steps_per_s": 1600.0, "eager_steps_per_s": 150.0, "losses_allc
         "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "seconds": 40.0}
 
 
-def record(folder: Path, tag: str, args: list, rc: int = 0, result=None, when: float = NOON) -> None:
+def record(folder: Path, tag: str, args: list, rc: int = 0, result=None, when: float = NOON, machine=None) -> None:
     path = folder / f"{tag}.json"
     path.write_text(json.dumps({"tag": tag, "args": args, "rc": rc, "seconds": 3.0, "result": result,
-                                "last_stderr_line": None if rc == 0 else "RuntimeError: capture failed"}))
+                                "last_stderr_line": None if rc == 0 else "RuntimeError: capture failed",
+                                **({"machine": machine} if machine else {})}))
     os.utime(path, (when, when))
 
 
@@ -107,12 +109,12 @@ TRAINER_RUN = {"mode": "whole-step", "placement": "targets on cuda:0", "total_st
                "target_report": {"versions": {"torch": "2.14.1+cu130", "python": "3.12.3"}, "bytes": {}}}
 
 
-def test_trainer_runs_are_kept_by_their_main_figures_and_name_torch_but_not_the_gpu(tmp_path):
+def test_older_trainer_records_name_torch_but_not_the_gpu_and_keep_their_main_figures(tmp_path):
     log = tmp_path / "log"
     log.mkdir()
     record(log, "dflash_modes_whole-step", ["-m", "examples.dflash_trainer", "--cuda-graphs", "whole-step"], result=TRAINER_RUN)
     record(log, "dflash_modes_trees", ["-m", "examples.dflash_trainer", "--cuda-graphs", "trees"], rc=1)
-    with pytest.raises(SystemExit, match="trainer runs only, which do not name the GPU: give it with --gpu"):
+    with pytest.raises(SystemExit, match="dflash_modes_whole-step: a trainer run whose record names no GPU: give it with --gpu"):
         collector.collect(log, "modes", tmp_path)
     path = collector.collect(log, "modes", tmp_path, gpu="NVIDIA H200")
     assert path.name == "gpu-scenarios_nvidia-h200_torch2.14.1_2025-12-01.json"
@@ -124,3 +126,24 @@ def test_trainer_runs_are_kept_by_their_main_figures_and_name_torch_but_not_the_
     assert phase["dflash_modes_trees"]["error"] == "exit 1: RuntimeError: capture failed"
     md = path.with_suffix(".md").read_text()
     assert "trainer, whole-step, 30 steps: last loss 3.660, 900000 tokens/s steady, startup 50.0 s (build 10.0 s)" in md
+
+
+def test_a_trainer_record_names_its_machine_and_a_run_without_a_steady_figure_says_so(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    short = {k: v for k, v in TRAINER_RUN.items() if k != "tokens_per_s_steady"}  # the trainer leaves it out
+    record(log, "dflash_short", ["-m", "examples.dflash_trainer"], result=short,
+           machine={"torch": "2.15.0+cu132", "gpu": "NVIDIA H200"})
+    path = collector.collect(log, "short", tmp_path)
+    assert path.name == "gpu-scenarios_nvidia-h200_torch2.15.0_2025-12-01.json"
+    assert "last loss 3.660, - tokens/s steady, startup 50.0 s (build 10.0 s)" in path.with_suffix(".md").read_text()
+
+
+def test_run_json_records_the_machine_and_the_trainers_error_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("THREADGRAPH_GPU_LOG", str(tmp_path))
+    script = "import sys; sys.stderr.write('error: target-4 failed: X\\n  pass fallback\\n'); sys.exit(1)"
+    with pytest.raises(AssertionError):
+        gpu_process.run_json("trainer", ["-c", script])
+    written = json.loads((tmp_path / "trainer.json").read_text())
+    assert written["last_stderr_line"] == "error: target-4 failed: X"
+    assert written["machine"]["torch"] == torch.__version__

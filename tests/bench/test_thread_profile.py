@@ -23,21 +23,24 @@ def kernel(start, dur, correlation, device=0, cat="kernel"):
 
 TRACE = {"traceEvents": [
     runtime(101, "cudaGraphLaunch", 1), runtime(102, "cudaLaunchKernel", 2), runtime(999, "cudaLaunchKernel", 4),
+    dict(runtime(102, "cuLaunchKernel", 5), cat="cuda_driver"),  # a Triton kernel, launched through the driver
     # target-0's graph: two kernels, 0-1000 us and 1500-2000 us
     kernel(0, 1000, 1), kernel(1500, 500, 1),
     # drafter-0's kernel overlaps the first by 500 us
     kernel(500, 1000, 2),
     # a copy of an unknown (C++) thread, and a kernel whose launch the trace lacks
     kernel(3000, 200, 4, cat="gpu_memcpy"), kernel(4000, 100, 3),
+    kernel(5000, 300, 5),
     {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 101, "ts": 0, "dur": 5},  # not device work
 ]}
 
 
 def test_kernels_count_for_the_thread_whose_runtime_call_launched_them():
     figures = thread_profile.attribute(TRACE, {101: "target-0", 102: "drafter-0"}, window_ms=10.0)
-    assert figures["devices"] == {"0": {"busy_ms": 2.3, "busy_share": 0.23}}  # 0-2000, 3000-3200, 4000-4100 us
+    # 0-2000, 3000-3200, 4000-4100, 5000-5300 us
+    assert figures["devices"] == {"0": {"busy_ms": 2.6, "busy_share": 0.26}}
     assert figures["threads"] == {
-        "drafter-0": {"kernel_ms": 1.0, "busy_ms": 1.0, "busy_share": 0.1, "launches": 1, "graph_launches": 0},
+        "drafter-0": {"kernel_ms": 1.3, "busy_ms": 1.3, "busy_share": 0.13, "launches": 2, "graph_launches": 0},
         "other threads": {"kernel_ms": 0.2, "busy_ms": 0.2, "busy_share": 0.02, "launches": 1, "graph_launches": 0},
         "target-0": {"kernel_ms": 1.5, "busy_ms": 1.5, "busy_share": 0.15, "launches": 1, "graph_launches": 1},
         "unattributed": {"kernel_ms": 0.1, "busy_ms": 0.1, "busy_share": 0.01, "launches": 1, "graph_launches": 0},
@@ -58,9 +61,13 @@ def test_union_counts_overlaps_once():
 def test_the_report_shows_each_launching_threads_share_of_the_window():
     figures = thread_profile.attribute(TRACE, {101: "target-0", 102: "drafter-0"}, window_ms=10.0)
     lines = dflash_report.profile_lines(figures)
-    assert lines[0].startswith("Profiled window (0.0 s of steady state, CUDA activity only): cuda:0 busy 0.23 of the window;")
+    assert lines[0].startswith("Profiled window (0.0 s of steady state, CUDA activity only): cuda:0 busy 0.26 of the window;")
     assert "| target-0 | 1.50 | 1.50 | 0.15 | 1 | 1 |" in lines[2]
     assert dflash_report.profile_lines({}) == []
+    assert dflash_report.profile_lines({"error": "RuntimeError: CUPTI busy"}) == [
+        "Profiled window: failed (RuntimeError: CUPTI busy).", ""]
+    figures["training_ended_inside"] = True
+    assert "(training ended inside the window: the shares count its idle end)." in dflash_report.profile_lines(figures)[0]
 
 
 def test_a_profile_that_never_started_has_no_result_and_one_that_failed_raises_its_error():

@@ -113,3 +113,19 @@ def test_doctor_reports_the_hazard_as_this_torch_has_it():
     assert hazard.status() == ("present" if GLOBAL_FLAG else "absent")
     patch = {p.name: p for p in _patches.PATCHES}["compile_flag_per_thread"]
     assert patch.hazard == hazard.name and patch.applies() is GLOBAL_FLAG
+
+
+def _scripted_branch(x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return x + 1
+    return x
+
+
+@needs_global_flag
+def test_torchscript_and_dynamos_skip_rules_still_see_upstreams_function(clean_patches):
+    from torch._dynamo import trace_rules
+
+    threadgraph.install()
+    body = torch.compiler.is_compiling.__code__
+    assert trace_rules.check(body), "Dynamo would trace the swapped body as user code"
+    assert torch.jit.script(_scripted_branch)(torch.zeros(1)).item() == 0.0

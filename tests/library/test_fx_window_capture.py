@@ -107,3 +107,18 @@ def test_a_worker_whose_trace_waits_for_a_capture_gives_up_its_device_slot_meanw
             order.append("captured")
     tracer.join(30)
     assert order == ["captured", "traced"]
+
+
+def test_a_thread_holding_a_device_exclusively_traces_without_waiting_for_a_capture(shim):
+    module, done = ParkedTrace(), threading.Event()
+    module.release.set()
+
+    def recorder():  # a Trees recording on another device, say
+        with gate_for("cuda:1").exclusive():
+            torch.fx.symbolic_trace(module)
+            done.set()
+
+    with _fx_window.windows_held_off():
+        other = start(recorder, "recorder")
+        assert done.wait(30), "a thread holding a device exclusively waited for another thread's capture"
+    other.join(30)
