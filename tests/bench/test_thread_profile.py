@@ -3,6 +3,7 @@ them, on a hand-made Chrome trace (the GPU figures come from the throughput benc
 the throughput report's lines for a profiled window."""
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -77,3 +78,19 @@ def test_a_profile_that_never_started_has_no_result_and_one_that_failed_raises_i
     probe.start()
     with pytest.raises(RuntimeError, match="CUPTI busy"):
         probe.result(timeout=30)
+
+
+def test_the_profilers_thread_ids_are_native_thread_ids(tmp_path):
+    """attribute() names a launch's thread by the trace's tid: on this torch a traced op's tid is the
+    native id of the thread that ran it (the CPU ops here; CUPTI's launch records use the same ids)."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e.get("name") == "aten::mm"} == {threading.get_native_id()}
