@@ -62,12 +62,12 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         device = str(e.get("args", {}).get("device", "?"))
         by_device.setdefault(device, []).append(span)
-        tid, call = launcher.get(e.get("args", {}).get("correlation"), (None, ""))
+        correlation = e.get("args", {}).get("correlation")
+        tid, call = launcher.get(correlation, (None, ""))
         name = UNATTRIBUTED if tid is None else names.get(_int(tid), OTHER)
         entry = by_thread.setdefault(name, {"spans": {}, "kernel_us": 0.0, "launches": set(), "graph_launches": set()})
         entry["spans"].setdefault(device, []).append(span)
         entry["kernel_us"] += span[1] - span[0]
-        correlation = e.get("args", {}).get("correlation")
         entry["launches"].add(correlation)
         if call.startswith(GRAPH_LAUNCHES):
             entry["graph_launches"].add(correlation)

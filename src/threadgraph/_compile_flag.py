@@ -11,8 +11,9 @@ The patch ``compile_flag_per_thread`` (``_patches.PATCHES``) replaces ``_compile
 with a session counted per thread (``SESSIONS``) and gives ``is_compiling`` the code of
 ``is_compiling_in_this_thread`` below. The function object stays the same: Dynamo recognises it
 by identity and folds it to True while tracing, never calling it, so only eager calls run the
-new code; the body keeps upstream's file name, so Dynamo's skip rules never trace it either. That code runs with ``torch.compiler``'s globals and reads the session counter through
-the name ``_compile_session_context`` there, the patched object.
+new code; the body keeps upstream's file name, so Dynamo's skip rules never trace it either. That
+code runs with ``torch.compiler``'s globals and reads the session counter through the name
+``_compile_session_context`` there, the patched object.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import types
 from typing import Any, Iterator
 
 import torch
-
-_COMPILE_SESSION_NAME = "_compile_session_context"
-
 
 class PerThreadCompileSession:
     """Stands in for ``torch.compiler._compile_session_context``: ``with SESSIONS():`` marks the
