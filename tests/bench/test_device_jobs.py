@@ -1,0 +1,60 @@
+"""tools/device_jobs.sh: jobs that outlive the call that started them, their waits and their files."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "device_jobs.sh"
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="a bash tool for the Linux GPU machine")
+
+
+def jobs(tmp_path, *args, out=None):
+    env = {**os.environ, "DEVICE_JOBS": str(tmp_path / "jobs")}
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_a_job_runs_from_a_snapshot_and_its_files_come_back(tmp_path):
+    started = jobs(tmp_path, "start", "one", "--", "bash", "-c",
+                   'test -f tools/device_jobs.sh && echo "in a copy" && echo made >"$OUT/made.txt"')
+    assert started.returncode == 0, started.stderr
+    waited = jobs(tmp_path, "wait", "30", "one")
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert "== one: exit 0" in waited.stdout and "in a copy" in waited.stdout
+    assert not (tmp_path / "jobs" / "one" / "repo" / ".git").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    collected = jobs(tmp_path, "collect", "one", out=out)
+    assert collected.returncode == 0, collected.stderr
+    assert (out / "one--made.txt").read_text() == "made\n"
+    assert "in a copy" in (out / "one--log.txt").read_text()
+
+
+def test_wait_reports_a_failed_job_and_one_still_running(tmp_path):
+    assert jobs(tmp_path, "start", "fails", "--", "bash", "-c", "exit 4").returncode == 0
+    assert jobs(tmp_path, "start", "sleeps", "--", "sleep", "30").returncode == 0
+    failed = jobs(tmp_path, "wait", "20", "fails")
+    assert failed.returncode == 1 and "== fails: exit 4" in failed.stdout
+    running = jobs(tmp_path, "wait", "1", "sleeps")
+    assert running.returncode == 3 and "== sleeps: running" in running.stdout
+    pid = int((tmp_path / "jobs" / "sleeps" / "pid").read_text())
+    os.kill(pid, 15)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("start", "a b", "--", "true"), "name the job in letters"),
+    (("start", "x", "--torch", "0.0.1", "--", "true"), "torch 0.0.1 is not installed here"),
+    (("start", "x", "true"), "usage:"),
+    (("wait", "5", "nobody"), "no job named 'nobody'"),
+    (("wait", "soon"), "wait takes the most seconds"),
+    (("collect",), "\\$OUT, which is unset"),
+])
+def test_bad_calls_say_what_to_do_and_exit_2(tmp_path, args, message):
+    done = jobs(tmp_path, *args)
+    assert done.returncode == 2
+    assert message.replace("\\", "") in done.stderr
