@@ -87,14 +87,23 @@ def index(folder: Path) -> str:
 
 # -- the DFlash table -----------------------------------------------------------------------------------
 
-def newest_runs(folder: Path) -> list[Results]:
-    """The newest dflash-throughput run per (shape, graphs): the embedded targets, then the
-    published shapes by their size, each in graphs order."""
-    newest: dict[tuple[str, str], Results] = {}
+def newest_runs(folder: Path, release: str | None = None) -> list[Results]:
+    """The newest dflash-throughput run per (torch release, shape, graphs), or of ``release`` only:
+    the embedded targets, then the published shapes by their size, each in graphs order, then by release."""
+    newest: dict[tuple[str, str, str], Results] = {}
     for r in schema.load_folder(folder):  # oldest first: a newer run replaces an older one
-        if schema.family(r.theme) == "dflash-throughput":
-            newest[r.data["shape"], r.data["graphs"]] = r
-    return [newest[k] for k in sorted(newest, key=lambda k: (*_shape_rank(k[0]), k[1]))]
+        if schema.family(r.theme) == "dflash-throughput" and release in (None, r.torch):
+            newest[r.torch, r.data["shape"], r.data["graphs"]] = r
+    return [newest[k] for k in sorted(newest, key=lambda k: (*_shape_rank(k[1]), k[2], schema.release(k[0])))]
+
+
+def matrix_release(runs: list[Results]) -> str | None:
+    """The torch release with the most (shape, graphs) cells measured, the newer on a tie: the one
+    whose runs the headline's range and the projection speak for (releases are not mixed in one range)."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.torch] = counts.get(r.torch, 0) + 1
+    return max(counts, key=lambda t: (counts[t], schema.release(t))) if counts else None
 
 
 def _shape_rank(shape: str) -> tuple[int, float, str]:
@@ -242,7 +251,9 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
         lines.append(f"- **pytorch#123177 fixed**: its repro (32 plain threads drawing random inputs around one "
                      f"compiled function) had {fenced} with threadgraph, where {unfenced} without it "
                      f"({fence.machine}, torch {fence.torch}; {link(fence, prefix)}){tail}.")
-    runs = [run for run in newest_runs(folder) if run.data.get("ratio") is not None]
+    measured = [run for run in newest_runs(folder) if run.data.get("ratio") is not None]
+    main = matrix_release(measured)
+    runs = [run for run in measured if run.torch == main]
     if runs:
         best = max(runs, key=lambda run: run.data["ratio"])
         low, high = min(run.data["ratio"] for run in runs), best.data["ratio"]
@@ -254,10 +265,17 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
                      f"{len({r.data['graphs'] for r in runs})} graphs modes (best: {_target(data)}, {data['graphs']}, "
                      f"{_num(data.get('tokens_per_s_threaded'))} against {_num(data.get('tokens_per_s_sequential'))}); "
                      f"the aim was {TARGET_RATIO}x, {verdict} ({data['env'].get('gpu') or 'CPU'}, torch "
-                     f"{data['env'].get('torch')}; {link(best, prefix)}).")
+                     f"{data['env'].get('torch')}; {link(best, prefix)})" + _other_releases(measured, main, prefix) + ".")
     if not lines:
         return "No results committed yet: run those of `benchmarks/README.md`, then `python -m benchmarks readme`."
     return "\n".join(lines)
+
+
+def _other_releases(runs: list[Results], main: str, prefix: str) -> str:
+    """'; on torch X: ratio at shape graphs (link), ...' for the runs of releases other than ``main``."""
+    others = [run for run in runs if run.torch != main]
+    return "".join(f"; on torch {run.torch}: {run.data['ratio']:.2f}x at {run.data['shape']} {run.data['graphs']} "
+                   f"({link(run, prefix)})" for run in others)
 
 
 def _repro_rows(results) -> tuple:
@@ -325,7 +343,8 @@ def markers(name: str) -> tuple[str, str]:
 
 def seed_projection(folder: Path, prefix: str = "") -> str:
     """docs/projection.md's table (benchmarks/projection.py) from the newest run per shape and mode."""
-    return projection.section(newest_runs(folder), lambda r: link(r, prefix))
+    runs = newest_runs(folder)
+    return projection.section(newest_runs(folder, matrix_release(runs)), lambda r: link(r, prefix))
 
 
 # Each page, relative to the repository root, and its generated sections with what renders them.

@@ -19,6 +19,8 @@
 # $EVIDENCE_LOGS (default ./gpu-evidence-logs). With $OUT set, each part leaves one archive there
 # holding its logs and the results files it wrote. The embedded default assets are built once
 # into $THREADGRAPH_CACHE (default /root/tgcache) and reused by later parts on the same machine.
+# The suite and slow parts add a phase to today's gpu-scenarios results file, named $EVIDENCE_LABEL
+# (default: the part's name; a name the file has already is refused: give another).
 # $EVIDENCE_STEP_TIMEOUT (seconds) interrupts a step that runs longer (SIGINT, so pytest still
 # prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
@@ -64,10 +66,15 @@ print("reduce-overhead replay matches eager")'
     # The fence's GPU tests are the fence part's (24 fresh processes): run both parts at once to cover all.
     step gpu-tests python3 -m pytest -q -rfE --durations=15 -m "gpu and not slow" -n 4 \
       --ignore=tests/library/test_gpu_fence.py --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests
-    step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label suite
+    step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label "${EVIDENCE_LABEL:-suite}"
     ;;
   slow)
-    step gpu-slow-tests python3 -m pytest -q -rfE --durations=15 -m "gpu and slow" -n 4 tests
+    export THREADGRAPH_GPU_LOG="$logs/records"
+    mkdir -p "$THREADGRAPH_GPU_LOG"
+    step gpu-slow-tests python3 -m pytest -q -rfEs --durations=15 -m "gpu and slow" -n 4 \
+      --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests
+    step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label "${EVIDENCE_LABEL:-slow}" \
+      --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))')"
     ;;
   conformance)
     step conformance python3 -m tests.conformance --jobs 4 --write benchmarks/results

@@ -21,14 +21,14 @@ def render_readme(argv):
     return render.main(["readme", *argv])
 
 
-def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", sequential_cache=None):
-    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": "2.11.0"}, "args": {}, "threaded": {},
+def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", sequential_cache=None, torch="2.11.0"):
+    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": torch}, "args": {}, "threaded": {},
             "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
             "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
             "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5, "startup_ratio": 2.0,
             "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
     data["sequential"] = {"compile_phases_s": {}} if sequential_cache is None else {"inductor_cache": sequential_cache}
-    name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch2.11.0_{date}.json"
+    name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch{torch}_{date}.json"
     (results / name).write_text(json.dumps(data))
     return name
 
@@ -152,6 +152,19 @@ def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
     order = [(run.data["shape"], run.data["graphs"]) for run in render.newest_runs(results)]
     assert order == [("default", "whole-step"), ("0.6b", "whole-step"), ("8b", "trees"), ("8b", "whole-step"),
                      ("14b", "whole-step"), ("32b", "whole-step")]
+
+
+def test_the_headline_range_keeps_to_one_torch_release_and_names_the_others(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for shape in ("0.6b", "8b"):
+        _result(results, shape, "trees", "2026-12-01", 200_000.0)  # 0.80x on 2.11.0
+    newer = _result(results, "0.6b", "trees", "2026-12-04", 100_000.0, torch="2.14.1")  # 0.40x, one cell only
+    assert [r.torch for r in render.newest_runs(results)] == ["2.11.0", "2.14.1", "2.11.0"]
+    assert [r.torch for r in render.newest_runs(results, "2.14.1")] == ["2.14.1"]
+    line = render.readme_headlines(results)
+    assert "0.80 - 0.80x" in line and "over 2 runs" in line
+    assert f"on torch 2.14.1: 0.40x at 0.6b trees ([{newer}]" in line
 
 
 def test_the_peak_memory_column_sets_the_measured_peak_beside_the_estimate(tmp_path):
