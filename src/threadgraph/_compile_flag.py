@@ -25,24 +25,32 @@ from typing import Any, Iterator
 
 import torch
 
+class SessionDepth(threading.local):
+    """How many compile sessions the calling thread is inside. A class default, not ``getattr``
+    with one: a thread that never compiled then reads it without a failed lookup, which matters
+    because ``is_compiling()`` runs on hot eager paths (transformers calls it per layer)."""
+
+    value = 0
+
+
 class PerThreadCompileSession:
     """Stands in for ``torch.compiler._compile_session_context``: ``with SESSIONS():`` marks the
     calling thread as compiling, not the process."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self.depth = SessionDepth()
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        self.depth.value += 1
         try:
             yield
         finally:
-            self._local.depth -= 1
+            self.depth.value -= 1
 
     def active_here(self) -> bool:
         """Whether the calling thread is inside a compile session of its own."""
-        return getattr(self._local, "depth", 0) > 0
+        return self.depth.value > 0
 
 
 SESSIONS = PerThreadCompileSession()
@@ -55,7 +63,7 @@ def is_compiling_in_this_thread() -> bool:
     if torch.jit.is_scripting():
         return False
     else:
-        return _is_compiling_flag or _compile_session_context.active_here()  # noqa: F821
+        return _is_compiling_flag or _compile_session_context.depth.value > 0  # noqa: F821
 
 
 def body_for(original: types.CodeType) -> types.CodeType:
