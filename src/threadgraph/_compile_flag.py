@@ -25,20 +25,14 @@ from typing import Any, Iterator
 
 import torch
 
-class SessionDepth(threading.local):
-    """How many compile sessions the calling thread is inside. A class default, not ``getattr``
-    with one: a thread that never compiled then reads it without a failed lookup, which matters
-    because ``is_compiling()`` runs on hot eager paths (transformers calls it per layer)."""
-
-    value = 0
-
+from ._per_thread import ThreadCount
 
 class PerThreadCompileSession:
     """Stands in for ``torch.compiler._compile_session_context``: ``with SESSIONS():`` marks the
     calling thread as compiling, not the process."""
 
     def __init__(self) -> None:
-        self.depth = SessionDepth()
+        self.depth = ThreadCount()  # compile sessions the calling thread is inside
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:

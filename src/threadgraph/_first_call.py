@@ -57,20 +57,27 @@ class _Turn:
 
 _turns: dict[Hashable, _Turn] = {}
 _done: set[Hashable] = set()  # settled keys: their calls pass straight through
-_local = threading.local()  # this thread's frame compiles, and its calls of each unsettled key
+class _ThreadState(threading.local):
+    """This thread's frame compiles, and its calls of each unsettled key (class defaults: see _per_thread)."""
+
+    compiles = 0
+    calls = None
+
+
+_local = _ThreadState()
 
 
 def note_compile() -> None:
     """Count one Dynamo frame compile of the calling thread (called by the compile-frame patch)."""
-    _local.compiles = getattr(_local, "compiles", 0) + 1
+    _local.compiles += 1
 
 
 def _compiles() -> int:
-    return getattr(_local, "compiles", 0)
+    return _local.compiles
 
 
 def _calls() -> dict:
-    calls = getattr(_local, "calls", None)
+    calls = _local.calls
     if calls is None:
         calls = _local.calls = {}
     return calls

@@ -7,27 +7,28 @@ traces per thread and answer upstream's two questions from this thread's own cou
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
 
+from ._per_thread import ThreadCount
 
-_fx_tracing = threading.local()
+
+_fx_tracing = ThreadCount()  # FX traces the calling thread is inside
 
 
 def fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    _fx_tracing.depth = getattr(_fx_tracing, "depth", 0) + 1
+    _fx_tracing.value += 1
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _fx_tracing.depth -= 1
+        _fx_tracing.value -= 1
 
 
 # Upstream's rules, on this thread's own tracing instead of any thread's.
 def fx_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return getattr(_fx_tracing, "depth", 0) > 0
+    return _fx_tracing.value > 0
 
 
 def fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return getattr(_fx_tracing, "depth", 0) > 0 and not torch.compiler.is_compiling()
+    return _fx_tracing.value > 0 and not torch.compiler.is_compiling()

@@ -45,6 +45,7 @@ import traceback
 from typing import Iterator
 
 from ._errors import GateTimeout, SettingError
+from ._per_thread import ThreadCount
 
 log = logging.getLogger("threadgraph")
 TIMEOUT_ENV = "THREADGRAPH_GATE_TIMEOUT"
@@ -161,7 +162,7 @@ class DeviceGate:
         with self._cond:
             if self._owner == me:
                 self._owner_depth += 1
-                _exclusive_depth.n += 1
+                _exclusive_depth.value += 1
                 return
             saved = self._shared.pop(me, 0)  # upgrade: never wait while holding a slot
             if saved:
@@ -177,7 +178,7 @@ class DeviceGate:
                 self._exclusive_waiting -= 1
             self._owner, self._owner_depth, self._owner_saved_shared = me, 1, saved
             self._names[me] = self.last_exclusive = threading.current_thread().name
-        _exclusive_depth.n = getattr(_exclusive_depth, "n", 0) + 1
+        _exclusive_depth.value += 1
 
     def release_exclusive(self) -> None:
         me = threading.get_ident()
@@ -185,7 +186,7 @@ class DeviceGate:
             if self._owner != me:
                 raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases {self.device} exclusively without owning it")
             self._owner_depth -= 1
-            _exclusive_depth.n -= 1
+            _exclusive_depth.value -= 1
             if self._owner_depth == 0:
                 self._owner = None
                 if self._owner_saved_shared:
@@ -246,7 +247,7 @@ def _log_stacks(headline: str) -> None:
 
 _gates: dict[str, DeviceGate] = {}
 _gates_lock = threading.Lock()
-_exclusive_depth = threading.local()  # how many exclusive sections the calling thread is inside
+_exclusive_depth = ThreadCount()  # how many exclusive sections the calling thread is inside
 
 
 def gate_for(device: str) -> DeviceGate:
@@ -263,7 +264,7 @@ def gate_for(device: str) -> DeviceGate:
 
 def in_exclusive_section() -> bool:
     """Whether the calling thread holds some device's gate exclusively (it is warming up or capturing)."""
-    return getattr(_exclusive_depth, "n", 0) > 0
+    return _exclusive_depth.value > 0
 
 
 @contextlib.contextmanager
