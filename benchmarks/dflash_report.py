@@ -129,6 +129,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         "", *startup_lines(threaded, sequential, figures),
         "", "## Threaded workers", "", common.markdown_table(wcols, wrows) if wrows else "(none: the threaded run failed)", "",
         *profile_lines(profiled),
+        *kernel_lines(profiled.get("kernels"), sequential.get("gpu_probe_kernels")),
     ]
     return "\n".join(lines)
 
@@ -139,15 +140,48 @@ def profile_lines(profiled: dict) -> list[str]:
         return []
     if "error" in profiled:
         return [f"Profiled window: failed ({profiled['error']}).", ""]
-    devices = "; ".join(f"cuda:{d} busy {common.fmt(v['busy_share'])} of the window" for d, v in profiled["devices"].items())
+    # a share is over the span the device's kernels cover; files without span_ms have shares over the window
+    devices = "; ".join(f"cuda:{d} busy {common.fmt(v['busy_share'])} of the {common.fmt(v['span_ms'] / 1000)} s its kernels span"
+                        if "span_ms" in v else f"cuda:{d} busy {common.fmt(v['busy_share'])} of the window"
+                        for d, v in profiled["devices"].items())
+    spanned = any("span_ms" in v for v in profiled["devices"].values())
+    ended = ("the spans hold the pipeline's drain" if spanned else "the shares count its idle end")
     rows = [[name, t["kernel_ms"], t["busy_ms"], t["busy_share"], t["launches"], t["graph_launches"]]
             for name, t in profiled["threads"].items()]
     return [f"Profiled window ({common.fmt(profiled['window_ms'] / 1000, 1)} s of steady state, CUDA activity only): "
             f"{devices}; kernels of two threads at once {common.fmt(profiled['concurrent_ms'], 1)} ms"
-            + (" (training ended inside the window: the shares count its idle end)" if profiled.get("training_ended_inside")
-               else "") + ".", "",
+            + (f" (training ended inside the window: {ended})" if profiled.get("training_ended_inside") else "") + ".", "",
             common.markdown_table(["launching thread", "kernel ms", "busy ms", "busy share", "launches", "graph launches"],
                                   rows), ""]
+
+
+KERNEL_ROWS, KERNEL_NAME_CHARS = 12, 60
+
+
+def kernel_lines(threaded: Optional[dict], sequential: Optional[dict]) -> list[str]:
+    """The profiled window's kernels beside the sequential GPU probe's, by name (thread_profile.kernel_summary):
+    the same kernels running slower in the threaded run show as a ratio of means above 1, extra ones
+    as names only in the window. The threaded side is not per batch: the trainer's step records mark
+    LOG_EVERY-step windows, not which batches finished inside the profiled one."""
+    if not threaded or not sequential or "by_name" not in threaded or "by_name" not in sequential:
+        return []
+    ours, theirs = threaded["by_name"], sequential["by_name"]
+    total = sum(ms for ms, _ in ours.values())
+    mean_us = (lambda figures: figures[0] * 1000 / figures[1] if figures and figures[1] else None)
+    rows = []
+    for name in sorted(ours, key=lambda n: -ours[n][0])[:KERNEL_ROWS]:
+        mine, seq = mean_us(ours[name]), mean_us(theirs.get(name))
+        short = name if len(name) <= KERNEL_NAME_CHARS else name[:KERNEL_NAME_CHARS - 3] + "..."
+        rows.append([f"`{short.replace('`', '')}`".replace("|", "\\|"),
+                     common.fmt(theirs[name][0], 3) if name in theirs else "-", common.fmt(seq, 1), common.fmt(mine, 1),
+                     common.fmt(_div(mine, seq)), common.fmt(_div(ours[name][0], total), 3)])
+    only_ours, only_theirs = len(set(ours) - set(theirs)), len(set(theirs) - set(ours))
+    return [f"Kernels by name: the profiled window's (top {len(rows)} by its total) beside the sequential GPU probe's "
+            f"({sequential.get('batches', '?')} batches):", "",
+            common.markdown_table(["kernel", "sequential ms/batch", "sequential mean us", "threaded mean us",
+                                   "threaded / sequential mean", "threaded share of kernel time"], rows), "",
+            f"- names only in the threaded window: {only_ours} of {len(ours)}; only in the sequential probe: "
+            f"{only_theirs} of {len(theirs)} (copies and memsets count as one name each)", ""]
 
 
 def memory_line(env: dict, figures: dict, estimate: Optional[dict]) -> str:

@@ -85,12 +85,7 @@ def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     t0 = time.perf_counter()
     results = train(cfg, progress=progress)
     trained = time.perf_counter()
-    profiled = None
-    if profile is not None:
-        try:
-            profiled = profile.result()
-        except Exception as exc:  # a profiler that failed costs the profile, not the measured run
-            profiled = {"error": f"{type(exc).__name__}: {exc}"}
+    profiled = profile.outcome() if profile is not None else None
     steady_ids = list(range(1, len(windows) - 1)) if len(windows) > 2 else list(range(1, len(windows))) or [0]
     overlapped = []
     if profiled is not None and profile.started_at is not None:
@@ -129,8 +124,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     Rounds (one batch per replica each): warmup (compilation, capture; startup_s ends with it), then
     PROBE_ROUNDS of the host probe (the device is synchronised before and after each batch, so the
     perf_counter span around its Python work is host time alone, which holds the GIL), then, on GPU,
-    PROBE_ROUNDS under torch.profiler (each device's kernel-busy time: the GPU time of a batch), then
-    the timed rounds of tokens/s."""
+    PROBE_ROUNDS under torch.profiler (each device's kernel-busy time: the GPU time of a batch; and its
+    kernels by name, per batch: thread_profile.probe_kernels), then the timed rounds of tokens/s."""
     from examples.dflash_trainer.pipeline import Pipeline
     from examples.dflash_trainer.schedule import Schedule
 
@@ -156,7 +151,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
-    busy, host_ms, startup_s, first_round_s = common.BusyProbe(), [], None, None
+    busy, host_ms, startup_s, first_round_s, probe_kernels = common.BusyProbe(), [], None, None, None
 
     # The timers' spans, by the phases the step functions mark: the target's forward; the drafter's step.
     timing = {"prepare": [fwd_timer.start], "forward": [fwd_timer.stop, step_timer.start],
@@ -187,6 +182,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         if r == gpu_end:
             if on_gpu and probe:
                 busy.stop()
+                probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
             _sync_all(devices)
             fwd_timer.discard()
             step_timer.discard()
@@ -220,6 +216,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "gpu_ms_per_batch_by_device": {str(d): us / 1000 / probe for d, us in busy.busy_us.items()}
         if on_gpu and probe else {},
         "gpu_probe_batches_per_device": probe if on_gpu else 0,
+        "gpu_probe_kernels": probe_kernels,  # the probe's kernels by name, per batch (thread_profile.kernel_summary)
         "devices": parts.devices,
         "mode": parts.policy.mode,
         "loss_last": float(replicas[0][1].history[-1, 0]),

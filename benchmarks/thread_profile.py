@@ -11,12 +11,24 @@ driver's ``cuLaunchKernel``).
 
 ``attribute`` turns a Chrome trace (what ``torch.profiler`` exports) into per-device busy time
 (the union of its kernels' intervals) and per-thread figures: kernel time, busy time (the union
-of that thread's kernels), their share of the window, launches and graph launches. Threads are
-named from ``threading.enumerate()`` by native id; kernels launched by threads Python does not
-know (autograd's device threads) count under ``other threads``, and kernels whose launch the
-trace lacks under ``unattributed``. ``concurrent_ms`` is how much the threads' busy times overlap
-on a device: kernels of two threads running at once (positive), where per-thread busy times sum to
-more than the device's.
+of that thread's kernels), launches and graph launches. A share is busy time over the span the
+trace's device work covers on that device (its first kernel's start to its last kernel's end),
+not over the requested window: the trace holds every kernel that ran until the profiler stopped,
+so the requested window (``window_ms``, kept for information) is shorter than what it measures.
+
+Thread ids: a launch event's ``tid`` is Kineto's id of the launching thread, the low 32 bits of
+its ``pthread_self()``, which is what CPython's ``threading.get_ident()`` returns on Linux; CPU
+ops carry the native id (``threading.get_native_id()``). ``thread_names`` keys each thread Python
+knows by both, and ids are compared modulo 2**32, as an exporter may write them as signed int32.
+Kernels launched by threads Python does not know (autograd's device threads) count under
+``other threads``, and kernels whose launch the trace lacks under ``unattributed``.
+``concurrent_ms`` is how much the threads' busy times overlap on a device: kernels of two threads
+running at once (positive), where per-thread busy times sum to more than the device's.
+
+``kernels`` sums the device work by kernel name (copies and memsets by their category): where
+the time goes, overall (``TOP_KERNELS`` names) and per thread (``TOP_PER_THREAD``). The
+sequential loop's GPU probe records the same summary per batch (``probe_kernels``), so the
+report can set a threaded window's kernels beside one batch's.
 """
 
 from __future__ import annotations
@@ -26,12 +38,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCHES = ("cuda_runtime", "cuda_driver")
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 OTHER, UNATTRIBUTED = "other threads", "unattributed"
+TOP_KERNELS, TOP_PER_THREAD = 15, 5
+TID_BITS = 2 ** 32  # Kineto's thread ids are 32-bit; a trace may hold them signed or unsigned
 
 
 def union_ms(spans: list) -> float:
@@ -47,8 +61,20 @@ def union_ms(spans: list) -> float:
     return total / 1000
 
 
+def thread_names(threads: Optional[Iterable] = None) -> dict:
+    """Trace thread id -> name for ``threads`` (default: ``threading.enumerate()``): each by its
+    native id (CPU ops' tid) and by its ident's low 32 bits (launch events' tid). Where one
+    thread's native id equals another's ident bits, the ident wins: only launches are attributed."""
+    threads = list(threading.enumerate() if threads is None else threads)
+    names = {t.native_id: t.name for t in threads if t.native_id is not None}
+    names.update({t.ident % TID_BITS: t.name for t in threads if t.ident is not None})
+    return names
+
+
 def attribute(trace: dict, names: dict, window_ms: float) -> dict:
-    """Per-device and per-thread GPU time of a Chrome trace; ``names`` maps native thread ids to names."""
+    """Per-device and per-thread GPU time of a Chrome trace, and its kernels by name; ``names`` maps
+    trace thread ids (``thread_names``) to names; ``window_ms``, the requested window, is only recorded."""
+    names = {_tid(k): v for k, v in names.items()}
     events = trace.get("traceEvents", [])
     launcher = {}  # correlation id -> (thread id, runtime call name)
     for e in events:
@@ -56,41 +82,111 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
             launcher[e["args"]["correlation"]] = (e.get("tid"), e.get("name", ""))
     by_device: dict = {}
     by_thread: dict = {}
-    for e in events:
-        if e.get("cat") not in DEVICE_WORK or "dur" not in e:
-            continue
+    work = []  # (kernel name, duration us) of every device event
+    for e in device_work(events):
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         device = str(e.get("args", {}).get("device", "?"))
         by_device.setdefault(device, []).append(span)
         correlation = e.get("args", {}).get("correlation")
         tid, call = launcher.get(correlation, (None, ""))
-        name = UNATTRIBUTED if tid is None else names.get(_int(tid), OTHER)
-        entry = by_thread.setdefault(name, {"spans": {}, "kernel_us": 0.0, "launches": set(), "graph_launches": set()})
+        name = UNATTRIBUTED if tid is None else names.get(_tid(tid), OTHER)
+        entry = by_thread.setdefault(name, {"spans": {}, "work": [], "launches": set(), "graph_launches": set()})
         entry["spans"].setdefault(device, []).append(span)
-        entry["kernel_us"] += span[1] - span[0]
+        item = (work_name(e), span[1] - span[0])
+        entry["work"].append(item)
+        work.append(item)
         entry["launches"].add(correlation)
         if call.startswith(GRAPH_LAUNCHES):
             entry["graph_launches"].add(correlation)
-    devices = {d: {"busy_ms": round(union_ms(s), 3), "busy_share": _share(union_ms(s), window_ms)} for d, s in sorted(by_device.items())}
+    # each device's span: the time its kernels cover, from the first one's start to the last one's end
+    spans = {d: (max(b for _, b in s) - min(a for a, _ in s)) / 1000 for d, s in by_device.items()}
+    devices = {d: {"busy_ms": round(union_ms(s), 3), "span_ms": round(spans[d], 3),
+                   "busy_share": _share(union_ms(s), spans[d])} for d, s in sorted(by_device.items())}
     threads = {}
     for name, entry in sorted(by_thread.items()):
         busy = sum(union_ms(s) for s in entry["spans"].values())
-        threads[name] = {"kernel_ms": round(entry["kernel_us"] / 1000, 3), "busy_ms": round(busy, 3),
-                         "busy_share": _share(busy, window_ms), "launches": len(entry["launches"]),
-                         "graph_launches": len(entry["graph_launches"])}
+        threads[name] = {"kernel_ms": round(sum(us for _, us in entry["work"]) / 1000, 3), "busy_ms": round(busy, 3),
+                         # over the spans of the devices it ran on: each device's part is at most its span
+                         "busy_share": _share(busy, sum(spans[d] for d in entry["spans"])),
+                         "launches": len(entry["launches"]), "graph_launches": len(entry["graph_launches"]),
+                         "top_kernels": _ranked(_totals(entry["work"]), TOP_PER_THREAD)}
     concurrent = sum(t["busy_ms"] for t in threads.values()) - sum(d["busy_ms"] for d in devices.values())
-    return {"window_ms": round(window_ms, 3), "devices": devices, "threads": threads, "concurrent_ms": round(concurrent, 3)}
+    return {"window_ms": round(window_ms, 3), "devices": devices, "threads": threads, "concurrent_ms": round(concurrent, 3),
+            "kernels": kernel_summary(work)}
 
 
-def _int(tid) -> Optional[int]:
+def device_work(events: list) -> list:
+    """The trace's device events: kernels, copies and memsets with a duration."""
+    return [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
+
+
+def work_name(event: dict) -> str:
+    """A kernel by its name; copies and memsets by their category (their names say direction and memory kind)."""
+    return event.get("name", "?") if event["cat"] == "kernel" else event["cat"]
+
+
+def kernel_summary(work: list, batches: int = 0) -> dict:
+    """(name, duration us) pairs by name: total ms, count and mean us of each, the ``TOP_KERNELS``
+    names by total ms, and ``by_name`` (every name: [ms, count]) for comparisons. With ``batches``,
+    the totals and counts are per batch (``*_per_batch`` keys); a mean is a mean either way."""
+    totals = _totals(work)
+    per = batches or 1
+    suffix = "_per_batch" if batches else ""
+    return {f"kernel_ms{suffix}": round(sum(us for us, _ in totals.values()) / 1000 / per, 4), "names": len(totals),
+            **({"batches": batches} if batches else {}),
+            "top": _ranked(totals, TOP_KERNELS, batches),
+            "by_name": {name: [round(us / 1000 / per, 5), round(n / per, 3)] for name, (us, n) in _order(totals)}}
+
+
+def _totals(work: list) -> dict:
+    totals: dict = {}
+    for name, us in work:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    return totals
+
+
+def _order(totals: dict) -> list:
+    return sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
+
+
+def _ranked(totals: dict, top: int, batches: int = 0) -> list:
+    per = batches or 1
+    suffix = "_per_batch" if batches else ""
+    return [{"name": name, f"ms{suffix}": round(us / 1000 / per, 4), f"count{suffix}": round(n / per, 3),
+             "mean_us": round(us / n, 2)} for name, (us, n) in _order(totals)[:top]]
+
+
+def chrome_trace(prof) -> dict:
+    """A stopped ``torch.profiler.profile``'s Chrome trace, as exported (what ``attribute`` reads)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def probe_kernels(prof, batches: int) -> Optional[dict]:
+    """``kernel_summary`` per batch of a stopped profiler that saw ``batches`` batches (the sequential
+    loop's GPU probe); None without one; a failure is recorded, not raised: it costs this summary only."""
+    if prof is None or batches <= 0:
+        return None
     try:
-        return int(tid)
+        events = device_work(chrome_trace(prof).get("traceEvents", []))
+        return kernel_summary([(work_name(e), float(e["dur"])) for e in events], batches)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _tid(tid) -> Optional[int]:
+    try:
+        return int(tid) % TID_BITS
     except (TypeError, ValueError):
         return None
 
 
-def _share(ms: float, window_ms: float) -> Optional[float]:
-    return round(ms / window_ms, 4) if window_ms > 0 else None
+def _share(ms: float, span_ms: float) -> Optional[float]:
+    return round(ms / span_ms, 4) if span_ms > 0 else None
 
 
 class ThreadProfile:
@@ -124,16 +220,11 @@ class ThreadProfile:
         self.started_at = time.perf_counter()  # the profiler's own setup counts as the window's
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
-        started = time.perf_counter()
+        names = thread_names()
         time.sleep(self.seconds)
-        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-        window_ms = (time.perf_counter() - started) * 1000
+        names.update(thread_names())  # a thread started inside the window too; an ident reused since, by its latest
         prof.__exit__(None, None, None)
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            trace = json.loads(path.read_text())
-        figures = attribute(trace, names, window_ms)
+        figures = attribute(chrome_trace(prof), names, self.seconds * 1000)
         self.ended_at = time.perf_counter()  # and so do the export and the attribution, which hold the GIL
         return figures
 
@@ -148,3 +239,10 @@ class ThreadProfile:
             raise self._error
         return self._figures
 
+    def outcome(self) -> Optional[dict]:
+        """``result()``, with a failure recorded as ``{"error": ...}``: a profiler that failed costs
+        the profile, not the measured run."""
+        try:
+            return self.result()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
