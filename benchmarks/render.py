@@ -344,7 +344,8 @@ def markers(name: str) -> tuple[str, str]:
 def seed_projection(folder: Path, prefix: str = "") -> str:
     """docs/projection.md's table (benchmarks/projection.py) from the newest run per shape and mode."""
     runs = newest_runs(folder)
-    return projection.section(newest_runs(folder, matrix_release(runs)), lambda r: link(r, prefix))
+    main = matrix_release(runs)
+    return projection.section([r for r in runs if r.torch == main], lambda r: link(r, prefix))
 
 
 # Each page, relative to the repository root, and its generated sections with what renders them.

@@ -100,8 +100,9 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
             entry["graph_launches"].add(correlation)
     # each device's span: the time its kernels cover, from the first one's start to the last one's end
     spans = {d: (max(b for _, b in s) - min(a for a, _ in s)) / 1000 for d, s in by_device.items()}
-    devices = {d: {"busy_ms": round(union_ms(s), 3), "span_ms": round(spans[d], 3),
-                   "busy_share": _share(union_ms(s), spans[d])} for d, s in sorted(by_device.items())}
+    busy_ms = {d: union_ms(s) for d, s in by_device.items()}
+    devices = {d: {"busy_ms": round(busy_ms[d], 3), "span_ms": round(spans[d], 3), "busy_share": _share(busy_ms[d], spans[d])}
+               for d in sorted(by_device)}
     threads = {}
     for name, entry in sorted(by_thread.items()):
         busy = sum(union_ms(s) for s in entry["spans"].values())

@@ -19,13 +19,13 @@ code runs with ``torch.compiler``'s globals and reads the session counter throug
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 from typing import Any, Iterator
 
 import torch
 
 from ._per_thread import ThreadCount
+
 
 class PerThreadCompileSession:
     """Stands in for ``torch.compiler._compile_session_context``: ``with SESSIONS():`` marks the
@@ -41,10 +41,6 @@ class PerThreadCompileSession:
             yield
         finally:
             self.depth.value -= 1
-
-    def active_here(self) -> bool:
-        """Whether the calling thread is inside a compile session of its own."""
-        return self.depth.value > 0
 
 
 SESSIONS = PerThreadCompileSession()

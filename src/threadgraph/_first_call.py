@@ -57,6 +57,8 @@ class _Turn:
 
 _turns: dict[Hashable, _Turn] = {}
 _done: set[Hashable] = set()  # settled keys: their calls pass straight through
+
+
 class _ThreadState(threading.local):
     """This thread's frame compiles, and its calls of each unsettled key (class defaults: see _per_thread)."""
 
