@@ -35,6 +35,7 @@ RENDER = {
     "index": ("render.py", ("index",)),
     "dflash-report": ("dflash_report.py", ()),
     "gpu-scenarios": ("gpu_scenarios_results.py", ()),
+    "doctor-selftest": ("doctor_selftest.py", ()),
     "fence-matrix": ("fence_matrix.py", ()),
 }
 # Names that run a mode of another command, as short as what they stand for.

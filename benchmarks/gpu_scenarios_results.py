@@ -76,6 +76,9 @@ def entry(record: dict) -> dict:
             "seconds": record["seconds"]}
 
 
+INTERRUPTED = "pytest::internal"  # the case pytest's junit XML adds for an error of its own
+
+
 def outcomes(junit: Path) -> dict:
     """Each test of a junit XML: passed, or failed / error / skipped with its message."""
     try:
@@ -84,6 +87,8 @@ def outcomes(junit: Path) -> dict:
         raise SystemExit(f"{junit}: not a junit XML ({exc}); pytest's --junitxml writes one")
     out = {}
     for case in root.iter("testcase"):
+        if not case.get("name"):
+            continue  # an interrupted run under xdist leaves empty cases: no test, no outcome
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         verdict = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         message = " ".join((verdict.get("message") or "").split())[:200] if verdict is not None else ""
@@ -169,7 +174,11 @@ def render(data: dict, env: dict) -> str:
         tests = phase.get(OUTCOMES, {})
         if tests:
             passed = sum(v == "passed" for v in tests.values())
-            lines += [f"Tests: {passed} of {len(tests)} passed.", "",
+            lines += [f"Tests: {passed} of {len(tests)} passed.", ""]
+            if INTERRUPTED in tests:
+                lines += ["The run did not finish (pytest's own error, as when a step timeout interrupts it): "
+                          "tests it had not reached are not in this table.", ""]
+            lines += [
                       common.markdown_table(["test", "outcome"], [(t, " ".join(v.split())) for t, v in tests.items()]), ""]
     return "\n".join(lines)
 

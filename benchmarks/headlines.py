@@ -202,10 +202,18 @@ def gpu_scenarios_latest(data: dict) -> list:
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
+def doctor_selftest(data: dict) -> list:
+    """Each selftest check: its verdict and step time."""
+    return [(f"doctor --selftest: {c['check']}", ("PASS" if c["passed"] else "FAIL")
+             + (f", step p50 {c['p50_ms']:.3f} ms" if "p50_ms" in c else f": {c.get('error', '')}"))
+            for c in data["checks"]]
+
+
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-ab": dflash_ab, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
-              "install-overhead": install_overhead, "conformance": conformance}
+              "install-overhead": install_overhead, "conformance": conformance,
+              "doctor-selftest": doctor_selftest}
 
 
 def extractor(theme: str):

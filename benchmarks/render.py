@@ -43,7 +43,8 @@ from results_schema import Results, ResultsError, startup_comparable  # noqa: E4
 ROOT = Path(__file__).resolve().parent.parent
 # The themes of docs/results.md's other results, in its order, each from its newest file; a scenarios
 # file holds several device calls, of which each scenario's last counts. Then every dflash-ab theme.
-HEADLINE_THEMES = {"conformance": headlines.conformance, "install-overhead": headlines.install_overhead,
+HEADLINE_THEMES = {"conformance": headlines.conformance, "doctor-selftest": headlines.doctor_selftest,
+                   "install-overhead": headlines.install_overhead,
                    "fence-matrix": headlines.fence_matrix, "fence-overhead": headlines.fence_overhead,
                    "gpu-scenarios": headlines.gpu_scenarios_latest, "replay-dflash": headlines.replay,
                    "replay-dflash-gil": headlines.replay, "replay-small": headlines.replay,

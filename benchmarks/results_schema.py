@@ -94,6 +94,7 @@ THEMES: dict[str, dict[str, Any]] = {
                                                 "unfenced_p50_ms": NUMBER, "ratio_fenced_over_unfenced": NUMBER}},
     "install-overhead": {"env": dict, "summary": dict},
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
+    "doctor-selftest": {"checks": list, "checks[]": {"check": str, "passed": bool}},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}

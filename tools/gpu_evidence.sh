@@ -2,7 +2,8 @@
 # The project's GPU evidence for the torch that `python3` imports (after tools/device_torch.py
 # install, the release it put first on PYTHONPATH), in parts that each fit a 10-minute call:
 #
-#   tools/gpu_evidence.sh check      # torch, CUDA, a compiled step; python -m threadgraph doctor --selftest
+#   tools/gpu_evidence.sh check      # torch, CUDA, a compiled step; python -m threadgraph doctor --selftest,
+#                                    # then the doctor-selftest results file
 #   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow") but the fence's, then the gpu-scenarios results file
 #   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
@@ -59,6 +60,7 @@ torch.cuda.synchronize()
 assert torch.allclose(y, m(x), atol=1e-5), "compiled output differs from eager"
 print("reduce-overhead replay matches eager")'
     step selftest python3 -m threadgraph doctor --selftest
+    step selftest-results python3 -m benchmarks doctor-selftest --report "$logs/selftest.log"
     ;;
   suite)
     export THREADGRAPH_GPU_LOG="$logs/records"

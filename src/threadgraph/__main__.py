@@ -53,10 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_report(info))
         for result in info.get("selftest", []):
-            verdict = "PASS" if result.get("passed") else "FAIL"
-            detail = f"p50 {result['p50_ms']:.3f} ms, p90 {result['p90_ms']:.3f} ms, {result['captures']} captures" if result.get("p50_ms") else result.get("error", "")
-            print(f"selftest {verdict}: {result['check']}: {detail}")
+            print(selftest_line(result))
     return 0 if all(r.get("passed") for r in info.get("selftest", [])) else 1
+
+
+def selftest_line(result: dict) -> str:
+    """One selftest check as the text report prints it (benchmarks/doctor_selftest.py reads it back)."""
+    verdict = "PASS" if result.get("passed") else "FAIL"
+    detail = (f"p50 {result['p50_ms']:.3f} ms, p90 {result['p90_ms']:.3f} ms, {result['captures']} captures"
+              if result.get("p50_ms") else result.get("error", ""))
+    return f"selftest {verdict}: {result['check']}: {detail}"
 
 
 if __name__ == "__main__":

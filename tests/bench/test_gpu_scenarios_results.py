@@ -147,3 +147,23 @@ def test_run_json_records_the_machine_and_the_trainers_error_line(tmp_path, monk
     written = json.loads((tmp_path / "trainer.json").read_text())
     assert written["last_stderr_line"] == "error: target-4 failed: X"
     assert written["machine"]["torch"] == torch.__version__
+
+
+def test_an_interrupted_run_says_so_and_its_empty_cases_are_no_tests(tmp_path):
+    log = suite(tmp_path / "log")
+    (log / "junit.xml").write_text(
+        '<testsuites><testsuite errors="1"><testcase classname="tests.library.test_gpu" name="test_many"/>'
+        '<testcase time="0.000" /><testcase time="0.000" />'
+        '<testcase classname="pytest" name="internal"><error message="internal error">KeyboardInterrupt</error></testcase>'
+        '</testsuite></testsuites>')
+    out = tmp_path / "results"
+    out.mkdir()
+    path = collector.collect(log, "suite", out)
+    phase = json.loads(path.read_text())["suite (12:00 UTC)"]
+    assert phase["pytest_outcomes"] == {"tests.library.test_gpu::test_many": "passed",
+                                        "pytest::internal": "error: internal error"}
+    md = path.with_suffix(".md").read_text()
+    assert "Tests: 1 of 2 passed." in md and "The run did not finish" in md
+    complete = collector.collect(suite(tmp_path / "log2"), "recheck", out)
+    assert md.count("The run did not finish") == 1
+    assert complete.with_suffix(".md").read_text().count("The run did not finish") == 1  # the first phase only
