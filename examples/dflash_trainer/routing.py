@@ -76,19 +76,22 @@ class Handoff:
 class GradientAverager:
     """All-reduce of the flat gradient buffers (``grads.FlatGrads``) of the drafter replicas of
     this process and, with torch.distributed, over processes (only replica 0 talks to the
-    process group). Two barrier waits per step: all buffers written, then the mean ready.
+    process group). Two barrier waits per step: all buffers written, then the mean in every buffer.
 
-    All replicas on one device share its default stream, and stream order follows the barrier
-    order, so no extra events are needed; copies across devices are ordered by PyTorch against
-    the current streams of both devices. Replica 0 replaces the mean only after the next step's
-    first wait, which every replica reaches after enqueuing its copy of the current one.
+    Between the waits replica 0 alone does the work: a running mean into its own buffer, one
+    ``lerp_`` pass per other replica (m += (b - m) / k: the division folded in, no temporary),
+    then a copy of it into every other buffer. For 3 replicas that moves 10 buffers' worth of
+    memory where summing into a new tensor, dividing and copying back into all 3 moved 16; a
+    buffer is the drafter's whole gradient (about 2 GB at the 8B shape), so the bytes are the cost.
+    All of it is enqueued before the second wait: every replica's later work (on the device's
+    default stream, which the replicas of one device share, or after PyTorch's ordering of a copy
+    across devices against both devices' current streams) comes after it in stream order.
     """
 
     def __init__(self, replicas: int, *, control: Optional[RunControl] = None, watchdog: Any = None) -> None:
         self.replicas = replicas
         self._barrier = threading.Barrier(replicas)
         self._buffers: list[Optional[torch.Tensor]] = [None] * replicas
-        self._mean: Optional[torch.Tensor] = None
         # Across processes the all-reduce carries one more element: 1 from each process that was
         # asked to stop (SIGINT/SIGTERM) before this average. Its sum is the same on every rank, so
         # all ranks stop after the same step (``RunControl.should_stop``).
@@ -108,22 +111,26 @@ class GradientAverager:
         self._buffers[replica] = grads.buffer
         self._wait()
         if replica == 0:
-            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            n = grads.buffer.numel()
-            wide = torch.empty(n + (world > 1), dtype=grads.buffer.dtype, device=grads.buffer.device)
-            mean = wide[:n]
-            mean.copy_(grads.buffer)
-            for other in self._buffers[1:]:
-                mean += other.to(mean.device, non_blocking=True)
-            if world > 1:
-                wide[n:].fill_(self._control.vote())
-                self._averages += 1
-                if self._watchdog is not None:
-                    self._watchdog.entering(self._averages)
-                dist.all_reduce(wide)
-                if self._watchdog is not None:
-                    self._watchdog.left()
-                self._control.agree(wide[n:])
-            self._mean = mean.div_(self.replicas * world)
+            self._reduce(grads.buffer)
         self._wait()
-        grads.buffer.copy_(self._mean, non_blocking=True)
+
+    def _reduce(self, own: torch.Tensor) -> None:
+        """Replica 0's part: the mean into ``own``, then into every other replica's buffer."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for k, other in enumerate(self._buffers[1:], start=2):
+            own.lerp_(other.to(own.device, non_blocking=True), 1.0 / k)  # the mean of the first k
+        if world > 1:
+            n = own.numel()
+            wide = torch.empty(n + 1, dtype=own.dtype, device=own.device)
+            wide[:n].copy_(own)
+            wide[n:].fill_(self._control.vote())
+            self._averages += 1
+            if self._watchdog is not None:
+                self._watchdog.entering(self._averages)
+            dist.all_reduce(wide)
+            if self._watchdog is not None:
+                self._watchdog.left()
+            self._control.agree(wide[n:])
+            torch.div(wide[:n], world, out=own)
+        for other in self._buffers[1:]:
+            other.copy_(own, non_blocking=True)

@@ -323,3 +323,35 @@ def test_a_target_shape_run_resumed_without_its_flag_is_refused_naming_it(tmp_pa
     plain = TrainConfig(out_dir=str(tmp_path), devices="cpu", resume=True)
     with pytest.raises(ValueError, match=r"other settings: --target-shape 'tiny' when saved, None now"):
         Checkpointer(tmp_path / "checkpoints", plain)
+
+
+def test_every_replica_holds_the_mean_when_replica_0_moves_on_at_once():
+    """Replica 0 zeroes its buffer (its next step) as soon as average() returns, while the others
+    look at theirs only later: the mean must already be in every buffer by then."""
+    grads = [torch.randn(6) for _ in range(4)]
+    averager = GradientAverager(len(grads))
+    flats = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        flat = FlatGrads([p], extras=0)
+        p.grad.copy_(g)
+        flats.append(flat)
+    seen = [None] * len(flats)
+
+    def run(i):
+        averager.average(i, flats[i])
+        if i == 0:
+            flats[0].zero_()
+        else:
+            time.sleep(0.2)
+        seen[i] = flats[i].grads.clone()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(flats))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = sum(grads) / len(grads)
+    assert torch.equal(seen[0], torch.zeros(6))
+    for got in seen[1:]:
+        assert torch.allclose(got, expected, atol=1e-6), (got, expected)
