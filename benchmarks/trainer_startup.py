@@ -135,7 +135,20 @@ def report(data: dict, path: Path) -> str:
         lines.append(f"| {name} | {run['startup_s']:.1f} | {run['build_s']:.1f} | {_per_worker(run, 'compile_s')} | "
                      f"{_per_worker(run, 'peer_compile_wait_s')} | {run.get('recompiles', '-')} | "
                      f"{tau} | {_steady(run)} | {_built_with(run)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _warmup_phases(runs_of(data))) + "\n"
+
+
+def _warmup_phases(runs: dict) -> list:
+    """Where each worker's warmup went: the seconds of each phase of its step (host wall time:
+    waiting for a peer, compiling and capturing are inside the phase that did them)."""
+    lines = []
+    for name, run in runs.items():
+        rows = [[worker, f"{w['warmup_s']:.1f}", ", ".join(f"{phase} {s:.1f}" for phase, s in w["phases_warmup_s"].items())]
+                for worker, w in run.get("workers", {}).items() if w.get("phases_warmup_s")]
+        if rows:
+            lines += ["", f"{name}: each worker's warmup by phase of its step, seconds", "",
+                      common.markdown_table(["worker", "warmup s", "by phase"], rows)]
+    return lines
 
 
 def _built_with(run: dict) -> str:

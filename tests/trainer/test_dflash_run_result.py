@@ -19,7 +19,7 @@ def test_a_full_result_has_every_key_in_the_order_of_the_json_line():
     assert result.to_json()["workers"]["target-0"] == {
         "device": "cpu", "p50_ms": 1.5, "p90_ms": None, "setup_s": 0.1, "first_step_at_s": 0.2, "warmup_s": 0.3,
         "compile_s": 0.0, "capture_s": 0.0, "peer_compile_wait_s": 0.0, "captures": 0, "steps": 4,
-        "phases_p50_ms": {"forward": 1.0}}
+        "phases_p50_ms": {"forward": 1.0}, "phases_warmup_s": {}}
 
 
 def test_values_a_run_does_not_have_are_left_out_but_the_target_report_is_null():

@@ -1,6 +1,7 @@
 """End-to-end CPU tests of the threaded DFlash trainer: 5 target + 3 drafter threads."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.drafter.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
 from examples.dflash_trainer.train import train
-from tests.trainer.tiny_run import tiny_config
+from tests.trainer.tiny_run import tiny_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,9 @@ def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_p
     assert {"prepare", "forward", "hand_off"} == set(result.workers["target-4"].phases_p50_ms)
     drafter = result.workers["drafter-1"]
     assert 0 < sum(drafter.phases_p50_ms.values()) < 3 * drafter.p90_ms
+    # where the warmup went: its phases' seconds add up to no more than the warmup itself
+    assert set(drafter.phases_warmup_s) == set(drafter.phases_p50_ms)
+    assert 0 < sum(drafter.phases_warmup_s.values()) <= drafter.warmup_s + 0.05, drafter
     assert result.eval["tau"] >= 1.0 and "tau_random_init" in result.baseline
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert any("loss" in json.loads(line) for line in lines)
@@ -355,3 +359,13 @@ def test_every_replica_holds_the_mean_when_replica_0_moves_on_at_once():
     assert torch.equal(seen[0], torch.zeros(6))
     for got in seen[1:]:
         assert torch.allclose(got, expected, atol=1e-6), (got, expected)
+
+
+def test_the_cli_says_where_each_workers_warmup_went(tiny_assets, tmp_path, capsys, monkeypatch):
+    from examples.dflash_trainer import __main__ as cli
+
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+    assert cli.main(tiny_cli(tiny_assets, tmp_path / "run", "--max-steps", "4")) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("drafter-0 ")]
+    assert len(lines) == 1, lines
+    assert re.search(r"waiting for a peer's compile [\d.]+ s; wait_batch [\d.]+ s; forward_backward [\d.]+ s", lines[0]), lines

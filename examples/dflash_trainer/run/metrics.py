@@ -50,6 +50,10 @@ class PhaseTimes:
         self.ms[phase].append((now - self._last) * 1000)
         self._last = now
 
+    def totals_s(self, steps: int) -> dict[str, float]:
+        """Seconds of each phase over the first ``steps`` steps (the warmup: where startup went)."""
+        return {phase: round(sum(values[:steps]) / 1000, 2) for phase, values in self.ms.items() if values[:steps]}
+
     def medians(self, skip: int = 0) -> dict[str, float]:
         """Median ms of each phase over its samples after the first ``skip`` (warmup)."""
         return {phase: statistics.median(values[skip:]) for phase, values in self.ms.items() if values[skip:]}

@@ -8,7 +8,7 @@ evaluation, no checkpoint) is left out, not written as null, except ``target_rep
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -28,6 +28,7 @@ class WorkerResult:
     captures: int
     steps: int
     phases_p50_ms: dict[str, float]  # host time of each phase of a steady step
+    phases_warmup_s: dict[str, float] = field(default_factory=dict)  # each phase's seconds over the warmup steps
 
 
 @dataclass(frozen=True)
