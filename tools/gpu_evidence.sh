@@ -6,6 +6,8 @@
 #                                    # then the doctor-selftest results file
 #   tools/gpu_evidence.sh suite      # the GPU tests (-m "gpu and not slow") but the fence's, then the gpu-scenarios results file
 #   tools/gpu_evidence.sh slow       # the slow GPU tests (-m "gpu and slow")
+#   tools/gpu_evidence.sh tests FILE # the GPU tests named in FILE (node ids, one a line: those a cut-short run
+#                                    # did not reach), then a gpu-scenarios phase (default label rest)
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
 #   tools/gpu_evidence.sh throughput [SHAPE [GRAPHS]]  # one DFlash throughput cell (default 0.6b, trees),
@@ -26,8 +28,17 @@
 # prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-parts="check, suite, slow, conformance, fence, throughput, startup or drafter"
-part=${1:?"name a part: $parts"}
+parts="check, suite, slow, tests, conformance, fence, throughput, startup or drafter"
+part=${1:-}
+die() { echo "error: $*" >&2; exit 2; }
+[ -n "$part" ] || die "name a part: $parts"
+case " check suite slow tests conformance fence throughput startup drafter " in
+  *" $part "*) ;;
+  *) die "unknown part '$part'; name one of $parts" ;;
+esac
+if [ "$part" = tests ]; then
+  [ -s "${2:-}" ] || die "name a file of test node ids, one a line (python -m benchmarks gpu-scenarios --unreached DIR... prints them)${2:+; $2 is missing or empty}"
+fi
 logs=${EVIDENCE_LOGS:-$PWD/gpu-evidence-logs}/$part
 mkdir -p "$logs"
 export THREADGRAPH_CACHE=${THREADGRAPH_CACHE:-/root/tgcache}
@@ -78,6 +89,15 @@ print("reduce-overhead replay matches eager")'
     step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label "${EVIDENCE_LABEL:-slow}" \
       --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))')"
     ;;
+  tests)
+    list=$2
+    export THREADGRAPH_GPU_LOG="$logs/records"
+    mkdir -p "$THREADGRAPH_GPU_LOG"
+    step gpu-listed-tests python3 -m pytest -q -rfEs --durations=15 -n 4 \
+      --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" $(cat "$list")
+    step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label "${EVIDENCE_LABEL:-rest}" \
+      --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))')"
+    ;;
   conformance)
     step conformance python3 -m tests.conformance --jobs 4 --write benchmarks/results
     ;;
@@ -117,10 +137,6 @@ print("reduce-overhead replay matches eager")'
     echo "== fused attention ops in the compiled code (count, op):"
     grep -rhoaE "aten\._(scaled_dot_product|flash_attention|efficient_attention)[a-z_]*" "$logs"/inductor-* | sort | uniq -c
     for f in "$logs"/*.log; do echo "-- $f"; tail -n 6 "$f"; done
-    ;;
-  *)
-    echo "error: unknown part '$part'; name one of $parts" >&2
-    exit 2
     ;;
 esac
 
