@@ -104,7 +104,8 @@ print("reduce-overhead replay matches eager")'
   fence)
     export THREADGRAPH_GPU_LOG="$logs/records"
     mkdir -p "$THREADGRAPH_GPU_LOG"
-    step gpu-fence-tests python3 -m pytest -q -rfE --durations=15 -m gpu -n 4 tests/library/test_gpu_fence.py
+    step gpu-fence-tests python3 -m pytest -q -rfE --durations=15 -m gpu -n 4 \
+      --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" tests/library/test_gpu_fence.py
     step fence-matrix python3 -m benchmarks fence-matrix "$THREADGRAPH_GPU_LOG"
     ;;
   throughput)
