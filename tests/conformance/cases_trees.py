@@ -7,6 +7,7 @@ whatever differs between placements is a difference a user would see.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
@@ -14,6 +15,7 @@ import torch._inductor.config as inductor_config
 from .observe import live_blocks, manager, rewind_generation, tree_shape, values
 
 TREES = "reduce-overhead"
+REPO = f"{Path(__file__).resolve().parents[2]}/"  # upstream's messages name our frames' files: relative in results
 
 
 def _rand(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -99,7 +101,7 @@ def overwritten_output() -> dict:
         try:
             read.append(values(out + 1))
         except RuntimeError as exc:
-            read.append(str(exc).splitlines()[0])
+            read.append(str(exc).splitlines()[0].replace(REPO, ""))
     return {"reads": read}
 
 
