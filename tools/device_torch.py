@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -214,6 +216,24 @@ def install(torch_version: str, stash: Path, extras: tuple[str, ...] = ()) -> Pa
     return site
 
 
+def mismatched_companions(torch_version: str, packages: tuple[str, ...] = ("torchaudio", "torchvision")) -> list[str]:
+    """This machine's packages built for another torch (their wheels pin ``torch==X``), as warnings:
+    beside the installed release they may refuse to load (torchaudio refuses a torch built for another
+    CUDA), and transformers imports them when they are there."""
+    warnings = []
+    for package in packages:
+        try:
+            requires = importlib.metadata.requires(package) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        pinned = [r.split("==", 1)[1].split(";")[0].strip() for r in requires if re.match(r"^torch\s*==", r)]
+        if pinned and pinned[0].split("+")[0] != torch_version:
+            warnings.append(f"this machine's {package} {importlib.metadata.version(package)} is built for torch "
+                            f"{pinned[0]}, not {torch_version}: if importing it fails (transformers does), "
+                            f"python3 -m pip uninstall -y {package}, or carry the {package} of torch {torch_version}")
+    return warnings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -255,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stashed {args.piece.name}; " + (f"{len(left)} to come" if left else "all pieces here: install"))
         else:
             site = install(args.torch, args.stash, tuple(args.extras))
+            for warning in mismatched_companions(args.torch):
+                print(f"warning: {warning}", file=sys.stderr)
             print(f"export PYTHONPATH={site}{os.pathsep}${{PYTHONPATH:-}}")
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)

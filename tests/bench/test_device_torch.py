@@ -128,3 +128,19 @@ def test_a_named_bundle_never_received_is_one_line(packed, tmp_path, capsys):
     assert device_torch.main(["install", "--torch", "9.9.9", "--with", "nccl9.9", "--stash", str(stash)]) == 2
     assert capsys.readouterr().err == ("error: nccl9.9: no piece received; carry each with "
                                        "python tools/device_torch.py receive PIECE\n")
+
+
+def test_the_machines_packages_built_for_another_torch_are_named_with_what_to_do(monkeypatch):
+    pins = {"torchaudio": ("2.11.0", ["torch==2.11.0"]), "torchvision": ("0.30.0", ["torch==2.15.0", "numpy"])}
+
+    def requires(package):
+        if package not in pins:
+            raise device_torch.importlib.metadata.PackageNotFoundError(package)
+        return pins[package][1]
+
+    monkeypatch.setattr(device_torch.importlib.metadata, "requires", requires)
+    monkeypatch.setattr(device_torch.importlib.metadata, "version", lambda package: pins[package][0])
+    assert device_torch.mismatched_companions("2.15.0", ("torchaudio", "torchvision", "absent")) == [
+        "this machine's torchaudio 2.11.0 is built for torch 2.11.0, not 2.15.0: if importing it fails "
+        "(transformers does), python3 -m pip uninstall -y torchaudio, or carry the torchaudio of torch 2.15.0"]
+    assert device_torch.mismatched_companions("2.11.0", ("torchaudio",)) == []
