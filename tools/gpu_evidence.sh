@@ -12,6 +12,8 @@
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
 #   tools/gpu_evidence.sh throughput [SHAPE [GRAPHS]]  # one DFlash throughput cell (default 0.6b, trees),
 #                                    # with a profiled window of each thread's share of the GPU
+#   tools/gpu_evidence.sh gil [SHAPE [GRAPHS]]  # py-spy's GIL profile of the threaded pipeline (default 0.6b,
+#                                    # trees); py-spy from PATH or a wheel carried in .device-torch/pyspy/
 #   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
 #   tools/gpu_evidence.sh drafter    # the drafter's Trees step in 4 placements at once; on a failure, the
 #                                    # switches that each take one suspect away; the fused attention ops compiled
@@ -28,11 +30,11 @@
 # prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-parts="check, suite, slow, tests, conformance, fence, throughput, startup or drafter"
+parts="check, suite, slow, tests, conformance, fence, throughput, gil, startup or drafter"
 part=${1:-}
 die() { echo "error: $*" >&2; exit 2; }
 [ -n "$part" ] || die "name a part: $parts"
-case " check suite slow tests conformance fence throughput startup drafter " in
+case " check suite slow tests conformance fence throughput gil startup drafter " in
   *" $part "*) ;;
   *) die "unknown part '$part'; name one of $parts" ;;
 esac
@@ -112,6 +114,16 @@ print("reduce-overhead replay matches eager")'
     step "dflash-throughput-${2:-0.6b}-${3:-trees}" python3 -m benchmarks dflash-throughput --target-shape "${2:-0.6b}" \
       --cuda-graphs "${3:-trees}"
     ;;
+  gil)
+    if ! command -v py-spy >/dev/null && [ ! -x "$(dirname "$(command -v python3)")/py-spy" ]; then
+      wheel=$(ls .device-torch/pyspy/py_spy-*.whl 2>/dev/null | head -n 1)
+      [ -n "$wheel" ] || die "py-spy is not installed here: pip install py-spy, or carry its wheel in .device-torch/pyspy/"
+      python3 -m pip install -q --no-deps --target "$logs/py-spy" "$wheel" || die "installing $wheel failed"
+      export PATH="$logs/py-spy/bin:$PATH"
+    fi
+    step "gil-profile-${2:-0.6b}-${3:-trees}" python3 -m benchmarks gil-profile --target-shape "${2:-0.6b}" \
+      --cuda-graphs "${3:-trees}"
+    ;;
   startup)
     step trainer-startup python3 -m benchmarks trainer-startup --no-restart
     ;;
@@ -144,7 +156,7 @@ esac
 if [ -n "${OUT:-}" ]; then
   find benchmarks/results -newer "$stamp" -type f >"$logs/results-written.txt"
   # Inductor caches (the drafter part's) stay behind: they are too big to come back.
-  tar -czf "$OUT/evidence-$part.tar.gz" --exclude='inductor-*' "$logs" $(cat "$logs/results-written.txt")
+  tar -czf "$OUT/evidence-$part.tar.gz" --exclude='inductor-*' --exclude=py-spy "$logs" $(cat "$logs/results-written.txt")
 fi
 rm -f "$stamp"
 exit $status
