@@ -42,7 +42,7 @@ def from_text(text: str) -> dict:
     for line in text.splitlines():
         if (found := VERSIONS.match(line)) is not None:
             info.update(python=found["python"], torch=found["torch"], cuda_build=found["cuda"])
-        elif line.startswith("GPUs: "):
+        elif line.startswith("GPUs: ") and not line.startswith("GPUs: none"):
             info["gpus"] = [g.strip() for g in line[len("GPUs: "):].split(",")]
         elif (found := CHECK.match(line)) is not None:
             check = {"check": found["check"], "passed": found["verdict"] == "PASS"}
@@ -62,7 +62,7 @@ def parse(text: str) -> dict:
         info = json.loads(text)
     except json.JSONDecodeError:
         return from_text(text)
-    if not isinstance(info.get("selftest"), list) or not info.get("gpus"):
+    if not isinstance(info.get("selftest"), list) or not info["selftest"] or not info.get("gpus"):
         raise NoReport(f"a doctor JSON report without a GPU's selftest ({info.get('selftest') or 'no selftest'}): "
                        "run python -m threadgraph doctor --selftest --json on a GPU machine")
     return info
@@ -111,12 +111,14 @@ def main(argv=None) -> int:
         text = args.report.read_text()
     else:
         print("running python -m threadgraph doctor --selftest --json (a minute or two on a GPU)", flush=True)
-        text = subprocess.run([sys.executable, "-m", "threadgraph", "doctor", "--selftest", "--json"],
-                              capture_output=True, text=True).stdout
+        doctor = subprocess.run([sys.executable, "-m", "threadgraph", "doctor", "--selftest", "--json"],
+                                capture_output=True, text=True)
+        text = doctor.stdout
     try:
         data = record(parse(text), date)
     except NoReport as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        said = "" if args.report is not None else f" (the doctor exited {doctor.returncode}: {doctor.stderr.strip()[-500:]})"
+        print(f"error: {exc}{said}", file=sys.stderr)
         return 2
     print(render(data))
     print(f"wrote {write(data, common.results_dir(args.out_dir))} and its .md")

@@ -90,8 +90,9 @@ def outcomes(junit: Path) -> dict:
         raise SystemExit(f"{junit}: not a junit XML ({exc}); pytest's --junitxml writes one")
     out = {}
     for case in root.iter("testcase"):
-        if not case.get("name"):
-            continue  # an interrupted run under xdist leaves empty cases: no test, no outcome
+        if not case.get("name"):  # what an interrupted run leaves: no test, no outcome, but a sign
+            out.setdefault(INTERRUPTED, "error: the run was interrupted (a test case without a name)")
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         verdict = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         message = " ".join((verdict.get("message") or "").split())[:200] if verdict is not None else ""
@@ -177,7 +178,7 @@ def render(data: dict, env: dict) -> str:
         tests = phase.get(OUTCOMES, {})
         if tests:
             passed = sum(v == "passed" for v in tests.values())
-            lines += [f"Tests: {passed} of {len(tests)} passed.", ""]
+            lines += [f"Tests: {passed} of {len(tests) - (INTERRUPTED in tests)} passed.", ""]
             if INTERRUPTED in tests:
                 lines += ["The run did not finish (pytest's own error, as when a step timeout interrupts it): "
                           "tests it had not reached are not in this table.", ""]

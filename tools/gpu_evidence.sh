@@ -29,6 +29,7 @@
 # $EVIDENCE_STEP_TIMEOUT (seconds) interrupts a step that runs longer (SIGINT, so pytest still
 # prints what passed), leaving time for the archive before the device call's own limit.
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 parts="check, suite, slow, tests, conformance, fence, throughput, gil, startup or drafter"
 part=${1:-}
@@ -39,7 +40,14 @@ case " check suite slow tests conformance fence throughput gil startup drafter "
   *) die "unknown part '$part'; name one of $parts" ;;
 esac
 if [ "$part" = tests ]; then
-  [ -s "${2:-}" ] || die "name a file of test node ids, one a line (python -m benchmarks gpu-scenarios --unreached DIR... prints them)${2:+; $2 is missing or empty}"
+  list=${2:-}
+  case "$list" in ""|/*) ;; *) list=$caller/$list ;; esac  # relative to where the script was called from
+  [ -s "$list" ] || die "name a file of test node ids, one a line (python -m benchmarks gpu-scenarios --unreached DIR... prints them)${2:+; $list is missing or empty}"
+fi
+pyspy_wheel=
+if [ "$part" = gil ] && ! command -v py-spy >/dev/null && [ ! -x "$(dirname "$(command -v python3)")/py-spy" ]; then
+  pyspy_wheel=$(ls .device-torch/pyspy/py_spy-*.whl 2>/dev/null | head -n 1)
+  [ -n "$pyspy_wheel" ] || die "py-spy is not installed here: pip install py-spy, or carry its wheel in .device-torch/pyspy/"
 fi
 logs=${EVIDENCE_LOGS:-$PWD/gpu-evidence-logs}/$part
 mkdir -p "$logs"
@@ -92,11 +100,11 @@ print("reduce-overhead replay matches eager")'
       --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))')"
     ;;
   tests)
-    list=$2
     export THREADGRAPH_GPU_LOG="$logs/records"
     mkdir -p "$THREADGRAPH_GPU_LOG"
+    mapfile -t ids < <(grep -v '^[[:space:]]*$' "$list")  # whole lines: node ids hold brackets and spaces
     step gpu-listed-tests python3 -m pytest -q -rfEs --durations=15 -n 4 \
-      --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" $(cat "$list")
+      --junitxml="$THREADGRAPH_GPU_LOG/junit.xml" "${ids[@]}"
     step gpu-scenarios python3 -m benchmarks gpu-scenarios "$THREADGRAPH_GPU_LOG" --label "${EVIDENCE_LABEL:-rest}" \
       --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))')"
     ;;
@@ -115,10 +123,8 @@ print("reduce-overhead replay matches eager")'
       --cuda-graphs "${3:-trees}"
     ;;
   gil)
-    if ! command -v py-spy >/dev/null && [ ! -x "$(dirname "$(command -v python3)")/py-spy" ]; then
-      wheel=$(ls .device-torch/pyspy/py_spy-*.whl 2>/dev/null | head -n 1)
-      [ -n "$wheel" ] || die "py-spy is not installed here: pip install py-spy, or carry its wheel in .device-torch/pyspy/"
-      python3 -m pip install -q --no-deps --target "$logs/py-spy" "$wheel" || die "installing $wheel failed"
+    if [ -n "$pyspy_wheel" ]; then
+      step py-spy-install python3 -m pip install -q --no-deps --target "$logs/py-spy" "$pyspy_wheel"
       export PATH="$logs/py-spy/bin:$PATH"
     fi
     step "gil-profile-${2:-0.6b}-${3:-trees}" python3 -m benchmarks gil-profile --target-shape "${2:-0.6b}" \

@@ -179,11 +179,12 @@ def _print_summary(r: RunResult) -> None:
     for name, w in r.workers.items():
         p50 = f"{w.p50_ms:.2f} ms" if w.p50_ms is not None else "-"
         phases = format_phases(w.phases_p50_ms)
-        warmup_phases = "".join(f"; {phase} {s:.1f} s" for phase, s in w.phases_warmup_s.items())
+        warmup_phases = ", ".join(f"{phase} {s:.1f}" for phase, s in w.phases_warmup_s.items())
         print(f"  {name:<10} {w.device:<7} step p50 {p50:>10}  setup {w.setup_s:.1f} s, first step at "
               f"{w.first_step_at_s:.1f} s, warmup {w.warmup_s:.1f} s (compile "
               f"{w.compile_s:.1f} s, capture {w.capture_s:.1f} s, waiting for a peer's compile "
-              f"{w.peer_compile_wait_s:.1f} s{warmup_phases})  captures {w.captures}"
+              f"{w.peer_compile_wait_s:.1f} s)" + (f" by phase s: {warmup_phases}" if warmup_phases else "")
+              + f"  captures {w.captures}"
               + (f"  host ms: {phases}" if phases else ""))
     print(f"metrics: {r.out_dir}/metrics.jsonl  checkpoint: {r.checkpoint}")
 

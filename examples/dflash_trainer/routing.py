@@ -79,22 +79,26 @@ class GradientAverager:
     process group). Two barrier waits per step: all buffers written, then the mean in every buffer.
 
     Between the waits replica 0 alone does the work: a running mean into its own buffer, one
-    ``lerp_`` pass per other replica (m += (b - m) / k: the division folded in, no temporary),
-    then a copy of it into every other buffer. For 3 replicas that moves 10 buffers' worth of
-    memory where summing into a new tensor, dividing and copying back into all 3 moved 16; a
-    buffer is the drafter's whole gradient (about 2 GB at the 8B shape), so the bytes are the cost.
-    All of it is enqueued before the second wait: every replica's later work (on the device's
-    default stream, which the replicas of one device share, or after PyTorch's ordering of a copy
-    across devices against both devices' current streams) comes after it in stream order.
+    ``lerp_`` pass per other replica (m += (b - m) / k: the division folded in), then a copy of it
+    into every other buffer. For 3 replicas on one device that moves 10 buffers' worth of memory
+    where summing into a new tensor, dividing and copying back into all 3 moved 16; a buffer is the
+    drafter's whole gradient (about 2 GB at the 8B shape), so the bytes are the cost. (A replica on
+    another device still comes over as a temporary copy first.) An infinite gradient makes the mean
+    NaN rather than infinite: non-finite either way, which the trainer stops on.
+
+    All of it is enqueued before the second wait, on the streams replica 0's thread sees as current:
+    the default streams, which the replicas (worker threads that never set a stream) also run on, so
+    every replica's later work comes after it in stream order; PyTorch orders a copy across devices
+    against both devices' current streams. A replica stepping on a stream of its own would break this.
     """
 
     def __init__(self, replicas: int, *, control: Optional[RunControl] = None, watchdog: Any = None) -> None:
         self.replicas = replicas
         self._barrier = threading.Barrier(replicas)
         self._buffers: list[Optional[torch.Tensor]] = [None] * replicas
-        # Across processes the all-reduce carries one more element: 1 from each process that was
-        # asked to stop (SIGINT/SIGTERM) before this average. Its sum is the same on every rank, so
-        # all ranks stop after the same step (``RunControl.should_stop``).
+        # Across processes a second all-reduce, of one element, carries the votes: 1 from each
+        # process that was asked to stop (SIGINT/SIGTERM) before this average. Its sum is the same
+        # on every rank, so all ranks stop after the same step (``RunControl.should_stop``).
         self._control = control if control is not None else RunControl()
         self._watchdog = watchdog
         self._averages = 0
@@ -120,17 +124,15 @@ class GradientAverager:
         for k, other in enumerate(self._buffers[1:], start=2):
             own.lerp_(other.to(own.device, non_blocking=True), 1.0 / k)  # the mean of the first k
         if world > 1:
-            n = own.numel()
-            wide = torch.empty(n + 1, dtype=own.dtype, device=own.device)
-            wide[:n].copy_(own)
-            wide[n:].fill_(self._control.vote())
+            vote = torch.full((1,), self._control.vote(), dtype=own.dtype, device=own.device)
             self._averages += 1
             if self._watchdog is not None:
                 self._watchdog.entering(self._averages)
-            dist.all_reduce(wide)
+            dist.all_reduce(own)  # in place: no copy of the buffer into a wider one and back
+            dist.all_reduce(vote)
             if self._watchdog is not None:
                 self._watchdog.left()
-            self._control.agree(wide[n:])
-            torch.div(wide[:n], world, out=own)
+            self._control.agree(vote)
+            own.div_(world)
         for other in self._buffers[1:]:
             other.copy_(own, non_blocking=True)

@@ -117,7 +117,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
             warmup_s=round(w.stats.warmup_seconds, 2), compile_s=round(w.stats.compile_seconds, 2),
             capture_s=round(w.stats.capture_seconds, 2), peer_compile_wait_s=round(w.stats.turn_wait_seconds, 2),
             captures=w.stats.captures, steps=w.stats.steps, phases_p50_ms=w.phases.medians(skip=w.warmup_steps),
-            phases_warmup_s=w.phases.totals_s(w.stats.warmup_steps))
+            phases_warmup_s=w.phases.totals_s(w.warmup_steps))
             for w in group.workers},
         out_dir=str(Path(config.out_dir)),
     )

@@ -50,13 +50,19 @@ def test_a_failed_check_is_kept_and_the_exit_status_says_so(tmp_path):
 def test_the_text_and_json_forms_of_one_report_record_the_same(tmp_path):
     info = {"python": "3.12.3", "torch": "2.15.0+cu132", "cuda_build": "13.2", "gpus": ["NVIDIA H200"],
             "selftest": [TRAIN]}
-    assert selftest.parse(json.dumps(info)) == selftest.parse(text_report(TRAIN))
+    assert selftest.record(selftest.parse(json.dumps(info)), "2026-12-04") \
+        == selftest.record(selftest.parse(text_report(TRAIN)), "2026-12-04")
+    failed = info | {"selftest": [TRAIN, BROKEN]}
+    assert selftest.record(selftest.parse(json.dumps(failed)), "2026-12-04") \
+        == selftest.record(selftest.parse(text_report(TRAIN, BROKEN)), "2026-12-04")
 
 
 @pytest.mark.parametrize("text, message", [
     ("python 3.12.3, torch 2.15.0+cpu (CUDA build: None)\n\nthreadgraph doctor --selftest needs a CUDA GPU\n",
      "no 'python X, torch Y (CUDA build: Z)' line and 'selftest PASS|FAIL: ...' lines"),
     (json.dumps({"torch": "2.15.0+cpu", "gpus": [], "selftest": "threadgraph doctor --selftest needs a CUDA GPU"}),
+     "a doctor JSON report without a GPU's selftest"),
+    (json.dumps({"torch": "2.15.0+cu132", "gpus": ["NVIDIA H200"], "selftest": []}),
      "a doctor JSON report without a GPU's selftest"),
 ])
 def test_a_report_without_a_gpus_selftest_is_refused_with_exit_2(tmp_path, capsys, text, message):

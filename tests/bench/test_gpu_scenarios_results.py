@@ -163,7 +163,7 @@ def test_an_interrupted_run_says_so_and_its_empty_cases_are_no_tests(tmp_path):
     assert phase["pytest_outcomes"] == {"tests.library.test_gpu::test_many": "passed",
                                         "pytest::internal": "error: internal error"}
     md = path.with_suffix(".md").read_text()
-    assert "Tests: 1 of 2 passed." in md and "The run did not finish" in md
+    assert "Tests: 1 of 1 passed." in md and "The run did not finish" in md
     complete = collector.collect(suite(tmp_path / "log2"), "recheck", out)
     assert md.count("The run did not finish") == 1
     assert complete.with_suffix(".md").read_text().count("The run did not finish") == 1  # the first phase only
@@ -186,3 +186,11 @@ def test_unreached_names_the_gpu_tests_no_run_of_the_folders_reached(tmp_path, c
     printed = capsys.readouterr().out.split()
     assert "tests/library/test_gpu_fence.py::test_pytorch_123177_repro_passes_run_after_run_and_every_thread_records_its_own_graph" in printed
     assert len(printed) > 30 and all("::" in line for line in printed)
+
+
+def test_a_run_interrupted_without_xdist_leaves_only_nameless_cases_and_says_so_too(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
+                     '<testcase time="0.0"/></testsuite></testsuites>')
+    assert collector.outcomes(junit) == {"tests.library.test_gpu::test_many": "passed",
+                                         "pytest::internal": "error: the run was interrupted (a test case without a name)"}

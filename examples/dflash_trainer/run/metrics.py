@@ -51,7 +51,8 @@ class PhaseTimes:
         self._last = now
 
     def totals_s(self, steps: int) -> dict[str, float]:
-        """Seconds of each phase over the first ``steps`` steps (the warmup: where startup went)."""
+        """Seconds of each phase over the first ``steps`` steps (the warmup: where startup went).
+        Every step marks every phase but the one a stop interrupts, so samples line up by step."""
         return {phase: round(sum(values[:steps]) / 1000, 2) for phase, values in self.ms.items() if values[:steps]}
 
     def medians(self, skip: int = 0) -> dict[str, float]:
