@@ -90,7 +90,8 @@ def render(data: dict) -> str:
 
 
 def write(data: dict, out_dir: Path) -> Path:
-    path = out_dir / f"{THEME}_{data['gpu']}_torch{data['torch']}_{data['date']}.json"
+    env = {"gpu": data["gpus"][0] if data["gpus"] else None, "torch": data["torch"], "date": data["date"]}
+    path = out_dir / f"{results_schema.stem(env, THEME)}.json"
     results_schema.write(path, data)
     path.with_suffix(".md").write_text(render(data))
     return path
