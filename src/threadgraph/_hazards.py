@@ -18,7 +18,7 @@ from . import _compat
 READ_RELEASES = "2.13.0, 2.14.1, 2.15.0"
 READ = f"{READ_RELEASES} (source)"
 RUN_CPU = "2.13.0, 2.14.1, 2.15.0 (CPU test suite)"
-RUN_GPU = "2.11.0 and 2.14.1 (GPU tests and benchmarks), 2.15.0 (selftest, conformance, fence tests, trainer startup, most GPU tests), NVIDIA H200"
+RUN_GPU = "2.11.0, 2.14.1 and 2.15.0 (GPU tests and benchmarks), NVIDIA H200"
 SIMULATED = "2.1 - 2.12 by simulation only (CPU tests swap in the older behaviour), except 2.11 on the GPU"
 
 

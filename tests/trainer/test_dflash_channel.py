@@ -6,6 +6,7 @@ hanging it; no test sleeps to order threads.
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -212,17 +213,26 @@ def test_cpu_items_pass_through_and_move():
 def test_cuda_handoff_waits_on_event_without_host_sync():
     ch = Channel(2)
     producer_stream, consumer_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()  # CUDA initialised before the timed part starts
-    with torch.cuda.stream(producer_stream):
-        x = torch.zeros(1 << 20, device="cuda")
-        torch.cuda._sleep(1_000_000_000)  # keep the producer stream busy (~0.5 s)
-        x.fill_(7.0)
-        ch.put({"x": x})
-    del x
+
+    def hand_over(sleep_cycles: int) -> Any:
+        with torch.cuda.stream(producer_stream):
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(sleep_cycles)
+            x.fill_(7.0)
+            ch.put({"x": x})
+        del x
+        with torch.cuda.stream(consumer_stream):
+            return ch.get(timeout=5, device="cuda")
+
+    # Once untimed: the first launch of a kernel may load its module (CUDA's lazy loading), and
+    # that load waits for the work already on the device, which would look like a host sync.
     with torch.cuda.stream(consumer_stream):
-        out = ch.get(timeout=5, device="cuda")
-        # get() returned while the producer's work is still running: no host sync.
-        assert not producer_stream.query()
+        hand_over(1)["x"].sum().item()
+    torch.cuda.synchronize()
+    out = hand_over(1_000_000_000)  # keeps the producer stream busy for about 0.5 s
+    # get() returned while the producer's work is still running: no host sync.
+    assert not producer_stream.query()
+    with torch.cuda.stream(consumer_stream):
         value = out["x"].sum().item()  # .item() waits for the current (consumer) stream only
     assert value == 7.0 * (1 << 20)
 
