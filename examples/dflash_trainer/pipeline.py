@@ -27,7 +27,7 @@ from .eval import Evaluator, held_out_prompts
 from .run.metrics import MetricsLogger, TrainingLog
 from .placement import available_devices
 from .policy import ExecutionPolicy
-from .drafter.replica import DrafterReplica
+from .drafter.replica import DrafterReplica, SharedDrafterWeights
 from .schedule import Schedule
 from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetSource
@@ -126,11 +126,13 @@ class Pipeline:
     def target_stage(self, device: torch.device) -> TargetStage:
         return TargetStage(self.targets.get(device), self.policy, num_anchors=self.config.num_anchors)
 
-    def replica(self, device: torch.device, schedule: Optional[Schedule] = None) -> DrafterReplica:
+    def replica(self, device: torch.device, schedule: Optional[Schedule] = None, *,
+                weights: Optional[SharedDrafterWeights] = None, steps_optimizer: bool = True) -> DrafterReplica:
         """A drafter replica restored from the resume checkpoint, if any, on the device's shared
-        target. ``schedule`` replaces the run's (the sequential benchmark steps each replica more often)."""
+        target. ``schedule`` replaces the run's (the sequential benchmark steps each replica more often);
+        ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
         return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.targets.get(device),
-                              self.checkpointer)
+                              self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config

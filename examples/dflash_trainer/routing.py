@@ -9,7 +9,7 @@ timing: a run, and a resumed run, see the same batches in the same order.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,24 +76,41 @@ class Handoff:
 class GradientAverager:
     """All-reduce of the flat gradient buffers (``grads.FlatGrads``) of the drafter replicas of
     this process and, with torch.distributed, over processes (only replica 0 talks to the
-    process group). Two barrier waits per step: all buffers written, then the mean in every buffer.
+    process group).
 
-    Between the waits replica 0 alone does the work: a running mean into its own buffer, one
-    ``lerp_`` pass per other replica (m += (b - m) / k: the division folded in), then a copy of it
-    into every other buffer. For 3 replicas on one device that moves 10 buffers' worth of memory
-    where summing into a new tensor, dividing and copying back into all 3 moved 16; a buffer is the
-    drafter's whole gradient (about 2 GB at the 8B shape), so the bytes are the cost. (A replica on
-    another device still comes over as a temporary copy first.) An infinite gradient makes the mean
-    NaN rather than infinite: non-finite either way, which the trainer stops on.
+    ``owners`` are the replicas that step the optimizer (default: all). Replicas on one device
+    may share one copy of the weights (``pipeline.SharedDrafterWeights``); then only the first of
+    them steps it, and the others (followers) need neither the mean nor an update of their own.
+    A step is ``average`` then, after the owners' updates, ``updated``:
 
-    All of it is enqueued before the second wait, on the streams replica 0's thread sees as current:
-    the default streams, which the replicas (worker threads that never set a stream) also run on, so
+    1. every replica's gradients are written (a barrier wait);
+    2. replica 0 makes the mean in its own buffer: one ``lerp_`` pass per other replica
+       (m += (b - m) / k: the division folded in), then copies it into the other owners' buffers;
+       where such owners exist, a second wait lets them update only after the copy;
+    3. ``updated``: with followers, a last wait, so that none reads the weights for its next step
+       before its owner has stepped them.
+
+    A buffer is the drafter's whole gradient (about 2 GB at the 8B shape), so the bytes moved are
+    the cost: for 3 replicas sharing one device's weights, 6 buffers' worth a step and one
+    optimizer step, where averaging into all 3 and stepping each moved 10 and stepped 3 times.
+    (A replica on another device comes over as a temporary copy first.) An infinite gradient
+    makes the mean NaN rather than infinite: non-finite either way, which the trainer stops on.
+
+    All of it is enqueued before the next wait, on the streams each thread sees as current: the
+    default streams, which the replicas (worker threads that never set a stream) also run on, so
     every replica's later work comes after it in stream order; PyTorch orders a copy across devices
     against both devices' current streams. A replica stepping on a stream of its own would break this.
     """
 
-    def __init__(self, replicas: int, *, control: Optional[RunControl] = None, watchdog: Any = None) -> None:
+    def __init__(self, replicas: int, *, owners: Optional[Sequence[int]] = None,
+                 control: Optional[RunControl] = None, watchdog: Any = None) -> None:
         self.replicas = replicas
+        self.owners = sorted(set(range(replicas) if owners is None else owners))
+        if not self.owners or self.owners[0] != 0 or self.owners[-1] >= replicas:
+            raise ValueError(f"GradientAverager: owners must include replica 0 and name replicas 0 - {replicas - 1}, "
+                             f"got {list(owners or [])}")
+        self._copy_to = self.owners[1:]  # the other owners, which update from the mean
+        self._followers = replicas > len(self.owners)
         self._barrier = threading.Barrier(replicas)
         self._buffers: list[Optional[torch.Tensor]] = [None] * replicas
         # Across processes a second all-reduce, of one element, carries the votes: 1 from each
@@ -111,15 +128,22 @@ class GradientAverager:
             self._barrier.wait()
 
     def average(self, replica: int, grads: FlatGrads) -> None:
-        """Replace ``grads.buffer`` (gradients and extras) by its mean over all replicas."""
+        """Put the mean over all replicas of ``grads.buffer`` (gradients and extras) into the
+        buffers of the owners; a follower's buffer is only read."""
         self._buffers[replica] = grads.buffer
         self._wait()
         if replica == 0:
             self._reduce(grads.buffer)
-        self._wait()
+        if self._copy_to:
+            self._wait()
+
+    def updated(self) -> None:
+        """Return once every owner has stepped (enqueued) its update; at once without followers."""
+        if self._followers:
+            self._wait()
 
     def _reduce(self, own: torch.Tensor) -> None:
-        """Replica 0's part: the mean into ``own``, then into every other replica's buffer."""
+        """Replica 0's part: the mean into ``own``, then into the other owners' buffers."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         for k, other in enumerate(self._buffers[1:], start=2):
             own.lerp_(other.to(own.device, non_blocking=True), 1.0 / k)  # the mean of the first k
@@ -134,5 +158,5 @@ class GradientAverager:
                 self._watchdog.left()
             self._control.agree(vote)
             own.div_(world)
-        for other in self._buffers[1:]:
-            other.copy_(own, non_blocking=True)
+        for k in self._copy_to:
+            self._buffers[k].copy_(own, non_blocking=True)

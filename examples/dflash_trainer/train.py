@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -15,6 +16,7 @@ from . import distributed
 from .run import outdir
 from .channel import ChannelClosed
 from .config import TrainConfig
+from .drafter.replica import SharedDrafterWeights
 from .lead import Lead
 from .run.metrics import MetricsLogger
 from .pipeline import Pipeline
@@ -47,7 +49,10 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     leader = parts.rank == 0
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
-    averager = GradientAverager(config.drafters, control=control, watchdog=watchdog)
+    # Drafters on one device share one copy of the weights; the first of them steps it.
+    owners = [i for i, d in enumerate(placement.drafters) if placement.drafters.index(d) == i]
+    weights = SharedDrafterWeights()
+    averager = GradientAverager(config.drafters, owners=owners, control=control, watchdog=watchdog)
     if leader and parts.start_step:
         outdir.cut_metrics(Path(config.out_dir) / outdir.METRICS, parts.start_step)
     metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
@@ -57,8 +62,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
                 startup_done=lambda: past_startup(group.workers))
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
                for i, d in enumerate(placement.targets)]
-    drafters = [DrafterWorker(i, d, replica=parts.replica, handoff=handoff, averager=averager,
-                              lead=lead if i == 0 else None)
+    drafters = [DrafterWorker(i, d, replica=functools.partial(parts.replica, weights=weights, steps_optimizer=i in owners),
+                              handoff=handoff, averager=averager, lead=lead if i == 0 else None)
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker

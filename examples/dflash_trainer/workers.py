@@ -63,6 +63,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self.phases = PhaseTimes()
         # a partial, not a method: no frame of its own between the step and the averager in a profile
         self._average = functools.partial(averager.average, index)
+        self._updated = averager.updated
 
     def setup(self) -> None:
         self.replica = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -80,8 +81,8 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         try:
             batch = self.handoff.get(self.index, self.device)
             self.phases.mark("wait_batch")
-            replica.train_step(batch, average=self._average, mark=self.phases.mark)
-        except _WOKEN:  # from the hand-off or the average, before the update
+            replica.train_step(batch, average=self._average, updated=self._updated, mark=self.phases.mark)
+        except _WOKEN:  # from the hand-off or the averager's waits
             if self.stopping:  # the run stopped (or a peer failed): leave quietly
                 return
             raise

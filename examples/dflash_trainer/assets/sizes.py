@@ -3,7 +3,7 @@ free, so a batch that cannot fit is refused in a second instead of being OOM-kil
 
 The estimate is deliberately rough (within a factor of about two of the peak on the CPU runs it
 was calibrated on): one copy of the target's weights per device (pipeline.SharedTargets), each
-drafter's trainable layers with their gradient and AdamW state, each target's forward pass
+drafter's trainable layers with AdamW state once a device and a gradient a replica, each target's forward pass
 activations, the hand-off items in flight, and per drafter step its logits over the vocabulary
 (the largest tensors: block tokens x vocab, several live at once through the loss and its
 backward). Above the free memory the run is refused; above half of it, a warning. And the disk of
@@ -30,7 +30,8 @@ log = logging.getLogger("dflash")
 # the autocast/fp32 copies), calibrated on CPU runs of the embedded target (SAFETY.md).
 LOGITS_COPIES = 6
 ACTIVATION_COPIES = 4  # per target layer and token, of the hidden and MLP widths, in a forward
-TRAINED_BYTES = 16  # per trainable drafter parameter: fp32 weight, gradient and two AdamW moments
+STEPPED_BYTES = 12  # per trainable drafter parameter, once a device: fp32 weight and two AdamW moments
+GRADIENT_BYTES = 4  # per trainable drafter parameter and replica: its fp32 gradient
 CHECKPOINT_BYTES = 12  # per trainable drafter parameter in a checkpoint: fp32 weight and two AdamW moments
 
 
@@ -51,7 +52,9 @@ def estimate_bytes(config: TrainConfig, model_config: Any, num_params: int, dtyp
     drafter_params = trainable_drafter_params(config, model_config, num_params)
     return {
         "weights": num_params * dtype_bytes * min(devices, config.targets + config.drafters),
-        "drafter_training": config.drafters * drafter_params * TRAINED_BYTES,
+        # The replicas on one device share one copy of the weights and AdamW (drafter.replica).
+        "drafter_training": drafter_params * (min(devices, config.drafters) * STEPPED_BYTES
+                                              + config.drafters * GRADIENT_BYTES),
         "target_forward": config.targets * b * s * (ACTIVATION_COPIES * (hidden + inter) * dtype_bytes
                                                     + (layers + 1) * hidden * dtype_bytes
                                                     + heads * s * dtype_bytes + vocab * 4),

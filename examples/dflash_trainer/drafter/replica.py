@@ -7,10 +7,16 @@ metrics), ``update()`` clips, steps AdamW and the schedule, and writes the step'
 (routing.GradientAverager); the execution policy decides whether each call is eager, CUDAGraph
 Trees or one captured CUDA graph. ``train_step`` is those three in order, the one step that the
 drafter worker thread and the benchmark's sequential loop both call.
+
+Replicas of one process on one device may share one copy of the weights (``SharedDrafterWeights``):
+each keeps its own parameters (so its own gradients) as views of the same storage, and only one of
+them, built with ``steps_optimizer``, steps AdamW on the mean; the others' ``update`` only counts
+the step, and their ``history`` stays empty (the stepping replica's holds the shared steps).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,9 +31,36 @@ from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
 from ..target import TargetModel
 
 
+class SharedDrafterWeights:
+    """One copy of the drafter's trainable weights a device, for the replicas of one process: the
+    first replica placed on a device keeps its own; every later one's trainable parameters become
+    views of that storage, before they would be copied to the device. An in-place optimizer step
+    on any of them is then seen by all."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def place(self, drafter: torch.nn.Module, device: torch.device) -> None:
+        """Move ``drafter`` to ``device``, its trainable weights shared with the device's first."""
+        device = torch.device(device)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        with self._lock:
+            first = self._by_device.get(device)
+            if first is not None:
+                if [p.shape for p in params] != [p.shape for p in first]:
+                    raise ValueError(f"SharedDrafterWeights: a drafter of other parameter shapes than the first on {device}")
+                for mine, theirs in zip(params, first):
+                    mine.data = theirs.data
+            drafter.to(device)
+            if first is None:
+                self._by_device[device] = [p for p in drafter.parameters() if p.requires_grad]
+
+
 class DrafterReplica:
     def __init__(self, config: TrainConfig, policy: ExecutionPolicy, schedule: Schedule, target: TargetModel,
-                 checkpointer: Optional[Checkpointer] = None) -> None:
+                 checkpointer: Optional[Checkpointer] = None, *, weights: Optional[SharedDrafterWeights] = None,
+                 steps_optimizer: bool = True) -> None:
         # The drafter borrows the frozen embedding and LM head of ``target``, on its device.
         device = target.device
         # Identical initial weights in every replica and process, whatever other threads do.
@@ -37,12 +70,20 @@ class DrafterReplica:
         )
         self.total_steps = schedule.total_steps
         self.step = checkpointer.start_step if checkpointer is not None else 0  # optimizer steps done
-        self.drafter = drafter.to(device)
+        if weights is not None:
+            weights.place(drafter, device)
+        else:
+            drafter.to(device)
+        self.drafter = drafter
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.grads = FlatGrads(params, extras=len(METRIC_NAMES))
-        self.optimizer = make_optimizer(params, lr=config.lr, weight_decay=config.weight_decay,
-                                        capturable=policy.captures)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule.lr_factor)
+        # A replica that does not step the shared weights has no AdamW state to hold.
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler: Optional[torch.optim.lr_scheduler.LambdaLR] = None
+        if steps_optimizer:
+            self.optimizer = make_optimizer(params, lr=config.lr, weight_decay=config.weight_decay,
+                                            capturable=policy.captures)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule.lr_factor)
         if checkpointer is not None:
             checkpointer.restore(self.drafter, self.optimizer, self.scheduler)
         step_fn = policy.compile(
@@ -52,8 +93,10 @@ class DrafterReplica:
         self._forward_backward = policy.graph(make_forward_backward(step_fn, self.grads))
         # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the training log now and then.
         self.history = torch.zeros(schedule.total_steps, len(METRIC_NAMES) + 1, device=device)
-        self._update = policy.graph(make_update(self.grads, self.optimizer, self.history, max_norm=config.grad_clip,
-                                                first_step=self.step))
+        self._update = None
+        if self.optimizer is not None:
+            self._update = policy.graph(make_update(self.grads, self.optimizer, self.history,
+                                                    max_norm=config.grad_clip, first_step=self.step))
 
     @property
     def finished(self) -> bool:
@@ -63,10 +106,11 @@ class DrafterReplica:
         self._forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
 
     def train_step(self, batch: dict[str, torch.Tensor], *, average: Optional[Callable[[FlatGrads], Any]] = None,
-                   mark: Optional[Callable[[str], Any]] = None) -> None:
+                   updated: Optional[Callable[[], Any]] = None, mark: Optional[Callable[[str], Any]] = None) -> None:
         """One optimizer step on ``batch``: forward-backward, ``average(grads)`` if given (the mean
-        over the replicas, in place), then the update. ``mark(phase)`` is called after
-        "forward_backward", "average" (only with ``average``) and "optimizer"."""
+        over the replicas, in place), the update, then ``updated()`` if given (returns once the
+        shared weights are stepped). ``mark(phase)`` is called after "forward_backward",
+        "average" (only with ``average``) and "optimizer"."""
         self.forward_backward(batch)
         if mark is not None:
             mark("forward_backward")
@@ -75,10 +119,14 @@ class DrafterReplica:
             if mark is not None:
                 mark("average")
         self.update()
+        if updated is not None:
+            updated()
         if mark is not None:
             mark("optimizer")
 
     def update(self) -> None:
-        self._update()
-        self.scheduler.step()
+        """Clip and step AdamW and the schedule (with ``steps_optimizer``), and count the step."""
+        if self._update is not None:
+            self._update()
+            self.scheduler.step()
         self.step += 1

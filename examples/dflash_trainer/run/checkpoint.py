@@ -285,8 +285,9 @@ class Checkpointer:
         self.start_step = self._checked_step(self.resume_from) if self.resume_from is not None else 0
         self.saved: Optional[Path] = None  # the newest checkpoint this run wrote
 
-    def restore(self, drafter: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-        """Load the resume checkpoint into a replica; nothing when the run starts fresh."""
+    def restore(self, drafter: nn.Module, optimizer: Optional[torch.optim.Optimizer], scheduler: Any) -> None:
+        """Load the resume checkpoint into a replica (its weights only, without an optimizer);
+        nothing when the run starts fresh."""
         if self.resume_from is not None:
             load_checkpoint(self.resume_from, drafter, optimizer, scheduler)
 
