@@ -31,7 +31,7 @@ from .drafter.replica import DrafterReplica, SharedDrafterWeights
 from .schedule import Schedule
 from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetSource
-from .target_stage import TargetStage
+from .target_stage import TargetStage, example_item
 
 log = logging.getLogger("dflash")
 
@@ -133,6 +133,11 @@ class Pipeline:
         ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
         return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.targets.get(device),
                               self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
+
+    def example_item(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """A hand-off item for ``device``'s drafters to compile on (target_stage.example_item),
+        from the first batch of target shard 0."""
+        return example_item(self.targets.get(device), self.batches(0), self.config.num_anchors)
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config

@@ -25,7 +25,9 @@ class Placement:
 
 
 def available_devices(requested: list[str]) -> list[str]:
-    """The devices to use: the requested list, or all visible GPUs, or the CPU."""
+    """The devices to use: the requested list, or all visible GPUs, or the CPU. One name a device
+    ('cpu', 'cuda:N'), so that workers on one device compare equal by name ('cpu:0' is 'cpu',
+    'cuda' the current GPU)."""
     if not requested:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [f"cuda:{i}" for i in range(count)] or ["cpu"]
@@ -40,7 +42,15 @@ def available_devices(requested: list[str]) -> list[str]:
             raise InputError(f"--devices asks for {device}; this machine has {torch.cuda.device_count()} GPU(s)")
         if kind not in ("cuda", "cpu"):
             raise InputError(f"--devices entry {device!r} is neither cpu nor cuda:N")
-    return requested
+    return [canonical_device(device) for device in requested]
+
+
+def canonical_device(device: str) -> str:
+    """The one name of ``device``: 'cpu', or 'cuda:N' (a bare 'cuda' is the current GPU)."""
+    parsed = torch.device(device)
+    if parsed.type == "cpu":
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device() if parsed.index is None else parsed.index}"
 
 
 def place(targets: int, drafters: int, devices: list[str]) -> Placement:

@@ -79,7 +79,7 @@ class GradientAverager:
     process group).
 
     ``owners`` are the replicas that step the optimizer (default: all). Replicas on one device
-    may share one copy of the weights (``pipeline.SharedDrafterWeights``); then only the first of
+    may share one copy of the weights (``drafter.replica.SharedDrafterWeights``); then only the first of
     them steps it, and the others (followers) need neither the mean nor an update of their own.
     A step is ``average`` then, after the owners' updates, ``updated``:
 
@@ -88,7 +88,8 @@ class GradientAverager:
        (m += (b - m) / k: the division folded in), then copies it into the other owners' buffers;
        where such owners exist, a second wait lets them update only after the copy;
     3. ``updated``: with followers, a last wait, so that none reads the weights for its next step
-       before its owner has stepped them.
+       before its owner has stepped them, nor zeroes its buffer (its next forward-backward) before
+       replica 0 has read it.
 
     A buffer is the drafter's whole gradient (about 2 GB at the 8B shape), so the bytes moved are
     the cost: for 3 replicas sharing one device's weights, 6 buffers' worth a step and one

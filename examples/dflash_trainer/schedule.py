@@ -27,7 +27,7 @@ class Schedule:
 
     def lr_factor(self, step: int) -> float:
         """The factor on the peak learning rate for optimizer step ``step`` (0-based); the
-        torch.optim.lr_scheduler.LambdaLR of every replica calls it."""
+        torch.optim.lr_scheduler.LambdaLR of every replica that steps the weights calls it."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)

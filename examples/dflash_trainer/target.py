@@ -104,6 +104,16 @@ class TargetModel:
         return self.embed_tokens.embedding_dim
 
     @property
+    def feature_width(self) -> int:
+        """The last dimension of ``features``: the hidden size times the feature layers."""
+        return self.hidden_size * len(self.layer_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights, so of the hidden states and the features."""
+        return self.embed_tokens.weight.dtype
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the embedding matrix (may exceed the tokenizer's length)."""
         return self.embed_tokens.num_embeddings

@@ -14,6 +14,7 @@ import torch
 
 from .data import ShardBatches
 from .policy import ExecutionPolicy
+from .drafter.loss import anchors_from_scores
 from .drafter.step import make_target_step
 from .target import TargetModel
 
@@ -47,3 +48,16 @@ class TargetStage:
         # Graph outputs are overwritten by the next replay: the drafter gets copies.
         return {"ids": ids, "loss_mask": loss_mask, "features": features.clone(), "anchors": anchors.clone(),
                 "keep": keep.clone()}
+
+
+def example_item(target: TargetModel, batches: ShardBatches, num_anchors: int) -> dict[str, torch.Tensor]:
+    """A hand-off item of the same keys, shapes, dtypes and layout as ``TargetStage.forward``'s,
+    without running the target: the next batch of ``batches`` (its ids, loss mask and anchors, as
+    the target step derives them) with zero features. A drafter compiles its step on it while the
+    targets compile theirs, instead of after their first batch arrives."""
+    _, *host = batches.next()
+    ids, loss_mask, scores = (t.to(target.device) for t in host)
+    anchors, keep = anchors_from_scores(loss_mask, num_anchors, scores)
+    features = torch.zeros(*ids.shape, target.feature_width, dtype=target.dtype, device=target.device)
+    return {"ids": ids, "loss_mask": loss_mask, "features": features, "anchors": anchors.contiguous(),
+            "keep": keep.contiguous()}

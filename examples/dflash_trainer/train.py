@@ -50,7 +50,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
     # Drafters on one device share one copy of the weights; the first of them steps it.
-    owners = [i for i, d in enumerate(placement.drafters) if placement.drafters.index(d) == i]
+    owners = [i for i, d in enumerate(placement.drafters) if placement.drafters.index(d) == i]  # names are canonical
     weights = SharedDrafterWeights()
     averager = GradientAverager(config.drafters, owners=owners, control=control, watchdog=watchdog)
     if leader and parts.start_step:
@@ -63,7 +63,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
                for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(i, d, replica=functools.partial(parts.replica, weights=weights, steps_optimizer=i in owners),
-                              handoff=handoff, averager=averager, lead=lead if i == 0 else None)
+                              handoff=handoff, averager=averager, lead=lead if i == 0 else None,
+                              example=parts.example_item)
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker

@@ -57,13 +57,16 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
     all replicas, the update; replica 0 then runs the lead stages (log, eval, checkpoint)."""
 
     def __init__(self, index: int, device: str, *, replica: Callable[[torch.device], DrafterReplica],
-                 handoff: Handoff, averager: GradientAverager, lead: Optional[Lead] = None) -> None:
+                 handoff: Handoff, averager: GradientAverager, lead: Optional[Lead] = None,
+                 example: Optional[Callable[[torch.device], dict]] = None) -> None:
         super().__init__(device, name=f"drafter-{index}", warmup_steps=3)
         self.index, self._build, self.handoff, self.averager, self.lead = index, replica, handoff, averager, lead
         self.phases = PhaseTimes()
         # a partial, not a method: no frame of its own between the step and the averager in a profile
         self._average = functools.partial(averager.average, index)
         self._updated = averager.updated
+        # An example item to compile the step on at the first step, while the targets compile.
+        self._example = example
 
     def setup(self) -> None:
         self.replica = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -78,6 +81,11 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         if self.lead is not None:
             self.lead.before_step()
         self.phases.begin()
+        if self._example is not None:
+            example, self._example = self._example, None
+            if replica.compiles:
+                replica.warm_up(example(self.device))
+                self.phases.mark("compile_ahead")
         try:
             batch = self.handoff.get(self.index, self.device)
             self.phases.mark("wait_batch")

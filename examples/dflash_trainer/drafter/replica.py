@@ -1,6 +1,7 @@
 """A drafter replica: one data-parallel copy of the drafter and everything that trains it.
 
-It owns the drafter, its flat gradient buffer, AdamW and the learning-rate schedule, and two
+It owns the drafter, its flat gradient buffer, AdamW and the learning-rate schedule (unless it
+shares another replica's weights and steps, below), and two
 device-only calls per step: ``forward_backward(batch)`` fills the gradients (and the step's
 metrics), ``update()`` clips, steps AdamW and the schedule, and writes the step's row of
 ``history``. Between the two the caller averages ``grads`` over the replicas
@@ -11,7 +12,7 @@ drafter worker thread and the benchmark's sequential loop both call.
 Replicas of one process on one device may share one copy of the weights (``SharedDrafterWeights``):
 each keeps its own parameters (so its own gradients) as views of the same storage, and only one of
 them, built with ``steps_optimizer``, steps AdamW on the mean; the others' ``update`` only counts
-the step, and their ``history`` stays empty (the stepping replica's holds the shared steps).
+the step, and their ``history`` stays zeros (the stepping replica's holds the shared steps).
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ class SharedDrafterWeights:
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, list[torch.Tensor]] = {}
+        self._stepped: set[torch.device] = set()
         self._lock = threading.Lock()
 
-    def place(self, drafter: torch.nn.Module, device: torch.device) -> None:
-        """Move ``drafter`` to ``device``, its trainable weights shared with the device's first."""
+    def place(self, drafter: torch.nn.Module, device: torch.device, *, steps: bool) -> None:
+        """Move ``drafter`` to ``device``, its trainable weights shared with the device's first;
+        ``steps``: its replica steps them (one a device, or two AdamW steps would land on one copy)."""
         device = torch.device(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         with self._lock:
+            if steps and device in self._stepped:
+                raise ValueError(f"SharedDrafterWeights: a second replica that steps the weights on {device}; "
+                                 "one replica a device steps them, the others share its steps")
+            if steps:
+                self._stepped.add(device)
             first = self._by_device.get(device)
             if first is not None:
                 if [p.shape for p in params] != [p.shape for p in first]:
@@ -71,10 +79,11 @@ class DrafterReplica:
         self.total_steps = schedule.total_steps
         self.step = checkpointer.start_step if checkpointer is not None else 0  # optimizer steps done
         if weights is not None:
-            weights.place(drafter, device)
+            weights.place(drafter, device, steps=steps_optimizer)
         else:
             drafter.to(device)
         self.drafter = drafter
+        self.compiles = policy.mode != "eager"
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.grads = FlatGrads(params, extras=len(METRIC_NAMES))
         # A replica that does not step the shared weights has no AdamW state to hold.
@@ -104,6 +113,12 @@ class DrafterReplica:
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         self._forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+
+    def warm_up(self, item: dict[str, torch.Tensor]) -> None:
+        """Forward-backward once on an example hand-off item, so that a compiled step (``compiles``)
+        compiles and warms up before real batches arrive. What it leaves in the gradients is zeroed
+        by the next forward-backward; the weights and the optimizer are untouched."""
+        self.forward_backward(item)
 
     def train_step(self, batch: dict[str, torch.Tensor], *, average: Optional[Callable[[FlatGrads], Any]] = None,
                    updated: Optional[Callable[[], Any]] = None, mark: Optional[Callable[[str], Any]] = None) -> None:
