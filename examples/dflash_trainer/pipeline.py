@@ -9,6 +9,7 @@ sequential loop steps the very same components in one thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -134,10 +135,16 @@ class Pipeline:
         return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.targets.get(device),
                               self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
 
+    @functools.cached_property
+    def example_batch(self) -> tuple[torch.Tensor, ...]:
+        """The host data (ids, loss mask, anchor draws) of the first batch of target shard 0, read
+        once for every drafter's example item (reading a batch shuffles the whole data set)."""
+        _, *host = self.batches(0).next()
+        return tuple(host)
+
     def example_item(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """A hand-off item for ``device``'s drafters to compile on (target_stage.example_item),
-        from the first batch of target shard 0."""
-        return example_item(self.targets.get(device), self.batches(0), self.config.num_anchors)
+        """A hand-off item for ``device``'s drafters to compile on (target_stage.example_item)."""
+        return example_item(self.targets.get(device), self.example_batch, self.config.num_anchors)
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config

@@ -50,12 +50,12 @@ class TargetStage:
                 "keep": keep.clone()}
 
 
-def example_item(target: TargetModel, batches: ShardBatches, num_anchors: int) -> dict[str, torch.Tensor]:
+def example_item(target: TargetModel, host: tuple[torch.Tensor, ...], num_anchors: int) -> dict[str, torch.Tensor]:
     """A hand-off item of the same keys, shapes, dtypes and layout as ``TargetStage.forward``'s,
-    without running the target: the next batch of ``batches`` (its ids, loss mask and anchors, as
-    the target step derives them) with zero features. A drafter compiles its step on it while the
-    targets compile theirs, instead of after their first batch arrives."""
-    _, *host = batches.next()
+    without running the target: a batch's host data ``host`` (ids, loss mask and anchor draws, as
+    ``ShardBatches.next`` gives them; anchors derived as the target step does) with zero features.
+    A drafter compiles its step on it while the targets compile theirs, instead of after their
+    first batch arrives."""
     ids, loss_mask, scores = (t.to(target.device) for t in host)
     anchors, keep = anchors_from_scores(loss_mask, num_anchors, scores)
     features = torch.zeros(*ids.shape, target.feature_width, dtype=target.dtype, device=target.device)

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from examples.dflash_trainer.drafter.replica import DrafterReplica
 from examples.dflash_trainer.drafter.step import make_step_fn
 from examples.dflash_trainer.pipeline import Pipeline
+from examples.dflash_trainer.train import train
 
 from tests.trainer.tiny_run import tiny_config
 
@@ -15,9 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def parts(tiny_assets, tmp_path_factory):
-    return Pipeline.build(tiny_config(tiny_assets, tmp_path_factory.mktemp("out"), targets=1, drafters=1, max_steps=4))
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def parts(request, tiny_assets, tmp_path_factory):
+    return Pipeline.build(tiny_config(tiny_assets, tmp_path_factory.mktemp("out"), targets=1, drafters=1, max_steps=4,
+                                      dtype=request.param))
 
 
 def _layout(t):
@@ -28,6 +31,7 @@ def test_the_example_item_has_the_layout_of_a_handed_over_item(parts):
     example = parts.example_item(CPU)
     _, real = parts.target_stage(CPU).step(parts.batches(0))
     assert example.keys() == real.keys()
+    assert real["features"].dtype == parts.policy.target_dtype
     for key in real:
         assert _layout(example[key]) == _layout(real[key]), key
     assert torch.equal(example["anchors"], real["anchors"]) and torch.equal(example["keep"], real["keep"])
@@ -40,7 +44,7 @@ def test_a_step_compiled_on_the_example_is_not_compiled_again_for_real_items(par
     torch._dynamo.reset()
     step = torch.compile(make_step_fn(replica.drafter, block_size=parts.config.block_size,
                                       gamma=parts.config.gamma_value, mask_token_id=target.mask_token_id,
-                                      autocast_dtype=None), backend=counter)
+                                      autocast_dtype=parts.policy.autocast_dtype), backend=counter)
     keys = ("ids", "loss_mask", "features", "anchors", "keep")
     step(*(parts.example_item(CPU)[k] for k in keys))
     compiled = counter.frame_count
@@ -67,3 +71,28 @@ def test_warming_up_on_the_example_leaves_the_training_as_it_was(parts):
     assert torch.equal(plain.history, warmed.history) and plain.history[:len(items), 0].ne(0).all()
     for p, q in zip(plain.drafter.parameters(), warmed.drafter.parameters()):
         assert torch.equal(p, q)
+
+
+def test_compiled_drafter_workers_warm_up_first_and_train_as_without(tiny_assets, tmp_path, monkeypatch):
+    """The worker's path on a CPU: replicas that say they compile (the step itself stays eager
+    here) run the example first, mark it as the first step's compile_ahead, and train the same."""
+    plain = train(tiny_config(tiny_assets, tmp_path / "plain", targets=2, drafters=3, max_steps=4))
+    init = DrafterReplica.__init__
+    warmed = []
+
+    def compiling_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.compiles = True
+
+    def counted_warm_up(self, item):
+        warmed.append(sorted(item))
+        self.forward_backward(item)
+
+    monkeypatch.setattr(DrafterReplica, "__init__", compiling_init)
+    monkeypatch.setattr(DrafterReplica, "warm_up", counted_warm_up)
+    ahead = train(tiny_config(tiny_assets, tmp_path / "ahead", targets=2, drafters=3, max_steps=4))
+    assert ahead.losses == plain.losses
+    assert warmed == [["anchors", "features", "ids", "keep", "loss_mask"]] * 3
+    for name in ("drafter-0", "drafter-1", "drafter-2"):
+        worker = ahead.workers[name]
+        assert "compile_ahead" in worker.phases_warmup_s and "compile_ahead" not in worker.phases_p50_ms

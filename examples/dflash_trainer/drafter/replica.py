@@ -52,12 +52,12 @@ class SharedDrafterWeights:
             if steps and device in self._stepped:
                 raise ValueError(f"SharedDrafterWeights: a second replica that steps the weights on {device}; "
                                  "one replica a device steps them, the others share its steps")
+            first = self._by_device.get(device)
+            if first is not None and [p.shape for p in params] != [p.shape for p in first]:
+                raise ValueError(f"SharedDrafterWeights: a drafter of other parameter shapes than the first on {device}")
             if steps:
                 self._stepped.add(device)
-            first = self._by_device.get(device)
             if first is not None:
-                if [p.shape for p in params] != [p.shape for p in first]:
-                    raise ValueError(f"SharedDrafterWeights: a drafter of other parameter shapes than the first on {device}")
                 for mine, theirs in zip(params, first):
                     mine.data = theirs.data
             drafter.to(device)
@@ -116,8 +116,9 @@ class DrafterReplica:
 
     def warm_up(self, item: dict[str, torch.Tensor]) -> None:
         """Forward-backward once on an example hand-off item, so that a compiled step (``compiles``)
-        compiles and warms up before real batches arrive. What it leaves in the gradients is zeroed
-        by the next forward-backward; the weights and the optimizer are untouched."""
+        compiles and warms up before real batches arrive (with CUDAGraph Trees the first real
+        call then records its graph). What it leaves in the gradients is zeroed by the next
+        forward-backward; the weights and the optimizer are untouched."""
         self.forward_backward(item)
 
     def train_step(self, batch: dict[str, torch.Tensor], *, average: Optional[Callable[[FlatGrads], Any]] = None,
