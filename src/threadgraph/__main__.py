@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(problem, file=sys.stderr)
                 return 2
             return 0
-        from ._hazards import markdown
+        from ._hazards_page import markdown
 
         sys.stdout.write(markdown())
         return 0

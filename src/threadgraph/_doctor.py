@@ -81,7 +81,7 @@ def format_report(info: dict) -> str:
 def write_hazards(path: str) -> str | None:
     """Write the hazard catalogue (docs/hazards.md) to ``path``; returns the one line to show, and
     exit 2 with, when it cannot be written (a bad path is the user's to fix, not a traceback)."""
-    from ._hazards import markdown
+    from ._hazards_page import markdown
 
     page = markdown()
     try:

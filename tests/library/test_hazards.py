@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import threadgraph
-from threadgraph import _compat, _hazards
+from threadgraph import _compat, _hazards, _hazards_page
 from threadgraph._patches import PATCHES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ VERIFIED_LINK = re.compile(r"^https://github\.com/pytorch/pytorch/(issues|pull)/
 
 def test_the_committed_page_is_the_rendered_catalogue():
     committed = (ROOT / "docs" / "hazards.md").read_text(encoding="utf-8")
-    assert committed == _hazards.markdown(), "run: python -m threadgraph hazards --write docs/hazards.md"
+    assert committed == _hazards_page.markdown(), "run: python -m threadgraph hazards --write docs/hazards.md"
 
 
 def test_the_command_writes_the_page(tmp_path):
@@ -28,7 +28,7 @@ def test_the_command_writes_the_page(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "threadgraph", "hazards", "--write", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_text(encoding="utf-8") == _hazards.markdown()
+    assert out.read_text(encoding="utf-8") == _hazards_page.markdown()
 
 
 def test_names_are_unique_stable_slugs():
