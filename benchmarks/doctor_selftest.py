@@ -71,8 +71,7 @@ def parse(text: str) -> dict:
 def record(info: dict, date: str) -> dict:
     """The results file's content: the header of its name, the versions and each check."""
     gpu = info["gpus"][0] if info.get("gpus") else None
-    checks = [c | {"error": " ".join(map(str, c["error"]))} if isinstance(c.get("error"), list) else c
-              for c in info["selftest"]]  # the doctor keeps a failed child's last stderr line as a list
+    checks = list(info["selftest"])
     return {"gpu": results_schema.machine_of(gpu), "torch": info["torch"].split("+")[0], "date": date,
             "torch_build": info["torch"], "cuda_build": info.get("cuda_build"), "python": info.get("python"),
             "gpus": info.get("gpus", []), "checks": checks}

@@ -118,7 +118,9 @@ def run_all() -> list[dict]:
     for kind in ("train", "infer"):
         proc = subprocess.run([sys.executable, "-m", "threadgraph._selftest", kind], capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            results.append({"check": kind, "passed": False, "error": proc.stderr.strip().splitlines()[-1:] or proc.returncode})
+            lines = proc.stderr.strip().splitlines()
+            error = lines[-1] if lines else f"its process exited with {proc.returncode} and wrote nothing on stderr"
+            results.append({"check": kind, "passed": False, "error": error})
         else:
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return results

@@ -16,7 +16,7 @@ headlines = importlib.import_module("headlines")
 
 TRAIN = {"check": "train in a worker thread, reduce-overhead", "passed": True, "p50_ms": 1.392, "p90_ms": 1.643,
          "captures": 3}
-BROKEN = {"check": "infer", "passed": False, "error": ["RuntimeError: capture failed"]}
+BROKEN = {"check": "infer", "passed": False, "error": "RuntimeError: capture failed"}
 
 
 def text_report(*checks) -> str:

@@ -66,3 +66,15 @@ def test_newer_than_verified_compares_the_release_numbers(version, newer):
 
     assert _compat.NEWEST_VERIFIED == (2, 15, 0)
     assert _compat.newer_than_verified(version) is newer
+
+
+def test_a_failed_selftest_check_reports_its_last_stderr_line_as_text(monkeypatch):
+    from threadgraph import _selftest
+
+    outcomes = iter([subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: capture failed\n"),
+                     subprocess.CompletedProcess([], -9, "", "")])
+    monkeypatch.setattr(_selftest.subprocess, "run", lambda *a, **k: next(outcomes))
+    assert _selftest.run_all() == [
+        {"check": "train", "passed": False, "error": "RuntimeError: capture failed"},
+        {"check": "infer", "passed": False, "error": "its process exited with -9 and wrote nothing on stderr"},
+    ]
