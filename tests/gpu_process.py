@@ -27,9 +27,14 @@ def _interrupt(signum, frame):
 def run_json(tag: str, args: list, timeout: float = 580) -> dict:
     """``python -X faulthandler ARGS...`` from the repository root; its last stdout line as JSON.
     Fails the calling test, with the process's stderr, when it exits non-zero or prints no JSON."""
+    return run_logged(tag, args, timeout)[0]
+
+
+def run_logged(tag: str, args: list, timeout: float = 580, env: dict | None = None) -> tuple[dict, str]:
+    """``run_json`` with ``env`` added to the process's environment; (the JSON, its stderr)."""
     cmd = [sys.executable, "-X", "faulthandler", *map(str, args)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
     started = time.perf_counter()
     # An outer `timeout` sends SIGTERM: stop the session and let subprocess.run kill the child,
     # which would otherwise keep the GPU after pytest is gone. (Only the main thread can set a
@@ -54,7 +59,7 @@ def run_json(tag: str, args: list, timeout: float = 580) -> dict:
     assert proc.returncode == 0 and printed, (
         f"{tag} exited {proc.returncode} ({'after' if printed else 'without'} printing its result):\n"
         f"{proc.stderr[-4000:]}")
-    return json.loads(printed)
+    return json.loads(printed), proc.stderr
 
 
 def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess, seconds: float,

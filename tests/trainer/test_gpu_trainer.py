@@ -19,7 +19,7 @@ import pytest
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
-from tests.gpu_process import run_json
+from tests.gpu_process import run_json, run_logged
 
 ONE_GPU = ["--devices", "cuda:0"]  # all 8 workers (5 target + 3 drafter threads) on one GPU
 # Two runs of the same training (resumed or not, one GPU or two): 6x the run-to-run noise and
@@ -84,6 +84,21 @@ def test_the_resume_procedure_on_the_cpu_gives_the_uninterrupted_losses(tmp_path
              "--num-anchors", "4", "--batch-size", "2", "--num-draft-layers", "1", "--num-target-layers-used", "1"]
     full, resumed = interrupted_and_resumed(tmp_path / "run", flags, "resume_cpu", 8)
     assert resumed == pytest.approx(full, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["trees", "whole-step"])
+def test_no_worker_compiles_its_step_twice_and_the_drafters_compile_ahead(graphs, tmp_path):
+    """The drafters compile their step on an example item before their first batch
+    (target_stage.example_item): a real item that Dynamo's guards saw differently would recompile."""
+    r, stderr = run_logged(f"dflash_compile_ahead_{graphs}",
+                           ["-m", "examples.dflash_trainer", *ONE_GPU, "--cuda-graphs", graphs, "--max-steps", "12",
+                            "--eval-every", "0", "--checkpoint-every", "0", "--out-dir", tmp_path, "--json"],
+                           env={"TORCH_LOGS": "recompiles"})
+    recompiles = [line for line in stderr.splitlines() if "Recompiling function" in line]
+    assert not recompiles, recompiles[:3]
+    drafters = {name: w for name, w in r["workers"].items() if name.startswith("drafter")}
+    assert drafters and all("compile_ahead" in w["phases_warmup_s"] for w in drafters.values()), drafters
 
 
 @pytest.mark.gpu
