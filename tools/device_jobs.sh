@@ -53,6 +53,10 @@ case "$cmd" in
     [ -e "$d" ] && [ "$(state "$name")" = running ] && die "job '$name' is still running"
     rm -rf "$d"; mkdir -p "$d/repo" "$d/out"
     tar -C "$repo" --exclude=./.device-torch --exclude=./gpu-evidence-logs --exclude=./.git -cf - . | tar -C "$d/repo" -xf -
+    # The release pieces stay out (GBs); a carried py-spy wheel comes along (gpu_evidence.sh gil installs it).
+    if [ -d "$repo/.device-torch/pyspy" ]; then
+      mkdir -p "$d/repo/.device-torch" && cp -r "$repo/.device-torch/pyspy" "$d/repo/.device-torch/"
+    fi
     env_args=(OUT="$d/out" EVIDENCE_LOGS="$d/logs")
     if [ -n "$release" ]; then
       site=/root/device-torch/torch$release/site
