@@ -50,6 +50,9 @@ def test_kernels_count_for_the_thread_whose_runtime_call_launched_them():
     }
     assert figures["concurrent_ms"] == pytest.approx(0.5)  # drafter-0's kernel beside target-0's first
     assert figures["window_ms"] == 10.0  # the requested window, recorded only
+    # the launch id that matched no thread, beside the ids it was matched against
+    assert figures["unknown_launch_tids"] == [999]
+    assert figures["named_tids"] == {"101": "target-0", "102": "drafter-0"}
 
 
 def test_a_window_of_no_device_work_has_no_threads_and_a_zero_span_no_share():
