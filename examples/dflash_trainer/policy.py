@@ -45,6 +45,11 @@ class ExecutionPolicy:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
 
     @property
+    def compiles(self) -> bool:
+        """Whether steps are compiled (so a first call costs a compile)."""
+        return self.mode != "eager"
+
+    @property
     def captures(self) -> bool:
         """Whether worker steps are captured whole, optimizer included (its lr a device tensor)."""
         return self.mode == "whole-step"
@@ -62,7 +67,7 @@ class ExecutionPolicy:
     def compile(self, fn: Callable) -> Callable:
         """``fn`` as a step runs it: eager, compiled with CUDAGraph Trees, or, for whole-step
         graphs, compiled without Trees (graph() around it records the kernels)."""
-        if self.mode == "eager":
+        if not self.compiles:
             return fn
         if self.mode == "whole-step":
             return torch.compile(fn)

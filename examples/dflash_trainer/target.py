@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, MissingInput
+from .placement import canonical_device
 from .drafter.model import target_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -189,9 +190,7 @@ class SharedTargets:
         self._loaded: dict[torch.device, TargetModel] = {}
 
     def get(self, device: str | torch.device) -> TargetModel:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(canonical_device(str(device)))
         with self._lock:  # a second caller for the device waits for the first one's load
             if device not in self._loaded:
                 logger.info("loading the target %s on %s (shared by the components there)", self.source.path, device)

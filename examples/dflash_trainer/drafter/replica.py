@@ -60,9 +60,9 @@ class SharedDrafterWeights:
             if first is not None:
                 for mine, theirs in zip(params, first):
                     mine.data = theirs.data
-            drafter.to(device)
+            drafter.to(device)  # moves each parameter's data, keeping the Parameter objects
             if first is None:
-                self._by_device[device] = [p for p in drafter.parameters() if p.requires_grad]
+                self._by_device[device] = params
 
 
 class DrafterReplica:
@@ -83,7 +83,7 @@ class DrafterReplica:
         else:
             drafter.to(device)
         self.drafter = drafter
-        self.compiles = policy.mode != "eager"
+        self.compiles = policy.compiles
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.grads = FlatGrads(params, extras=len(METRIC_NAMES))
         # A replica that does not step the shared weights has no AdamW state to hold.
