@@ -17,7 +17,7 @@ from typing import Optional
 import common
 from headlines import RESTART, TARGET_RATIO
 import results_schema
-from results_schema import EMPTY, inductor_cache, startup_comparable
+from results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 
@@ -85,7 +85,8 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         ["sequential colocated", 1, sequential.get("tokens_per_s"), None, sequential.get("startup_s"),
          sequential.get("drafter_step_p50_ms"), sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
          f"error: {sequential['error']}" if "error" in sequential else
-         f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the probes"],
+         f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
+         f"probes; {sequential_training(sequential)}"],
     ]
     if processes is not None:
         rows.append([f"processes ({processes.get('processes', '?')} ranks, torchrun)", "1 per rank", processes.get("tokens_per_s"), None,

@@ -10,15 +10,16 @@ D drafter threads training on them (threadgraph workers). Its tokens/s is the tr
 windowed counter (every LOG_EVERY drafter steps); the first window holds setup, compilation and
 capture and is left out of the steady figure.
 
-sequential: one thread does what early SpecForge did: for each batch, the target forward, then
-the drafter step (forward, backward, clip, AdamW), on the same devices (one replica per device,
-stepped in turn; replicas do not average gradients, which only favours this baseline). It calls
-the step functions the worker threads call (``TargetStage.step``, ``DrafterReplica.train_step``)
-on the trainer's own components (``examples.dflash_trainer.pipeline``: target stages, drafter
-replicas, the batches with their anchors, the execution policy and the learning-rate schedule),
-so both pipelines see the same data order, anchors, sizes and compilation (reduce-overhead on
-GPU, with CUDAGraph Trees or, with ``--cuda-graphs whole-step``, whole-step graphs; eager on
-CPU). It processes as many batches as the threaded run; the same share of them is warmup.
+sequential: one thread trains what the threads train: each round, for each drafter in turn, the
+target forward of its batch, then its forward-backward; then the round's mean gradient and one
+AdamW step for each device's shared weights (the threads' replicas, placement, averaging and
+optimizer steps: only the threads go). It calls the step functions the worker threads call
+(``TargetStage.step``, ``DrafterReplica.forward_backward`` and ``update``) on the trainer's own
+components (``examples.dflash_trainer.pipeline``: target stages, drafter replicas, the batches with
+their anchors, the execution policy and the learning-rate schedule), so both pipelines see the same
+data order, anchors, sizes and compilation (reduce-overhead on GPU, with CUDAGraph Trees or, with
+``--cuda-graphs whole-step``, whole-step graphs; eager on CPU), and train to the same losses. It
+processes as many batches as the threaded run; the same share of them is warmup.
 
 Besides tokens/s, the sequential loop measures the GPU time of one batch's kernels (the GPU-bound
 limit of both pipelines), its host time per batch (what one thread holds the GIL for) and both cells
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
 import dflash_processes  # noqa: E402
 import dflash_report  # noqa: E402
+import dflash_sequential  # noqa: E402
 import thread_profile  # noqa: E402
 from results_schema import EMPTY, SHARED  # noqa: E402
 
@@ -58,8 +60,6 @@ import torch  # noqa: E402
 from examples.dflash_trainer.run.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
 from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
-
-PROBE_ROUNDS = 5  # sequential rounds of the host-time probe, and again of the GPU-time probe
 
 
 def run_threaded(cfg, profile_s: float = 0.0) -> dict:
@@ -117,123 +117,6 @@ def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     }
 
 
-def run_sequential(cfg, warmup_batches: int) -> dict:
-    """The trainer's components stepped in turn by one thread: for global batch b, the target
-    stage of replica b % R, then that drafter replica's forward-backward and update (no averaging).
-
-    Rounds (one batch per replica each): warmup (compilation, capture; startup_s ends with it), then
-    PROBE_ROUNDS of the host probe (the device is synchronised before and after each batch, so the
-    perf_counter span around its Python work is host time alone, which holds the GIL), then, on GPU,
-    PROBE_ROUNDS under torch.profiler (each device's kernel-busy time: the GPU time of a batch; and its
-    kernels by name, per batch: thread_profile.probe_kernels), then the timed rounds of tokens/s."""
-    from examples.dflash_trainer.pipeline import Pipeline
-    from examples.dflash_trainer.schedule import Schedule
-
-    t0 = time.perf_counter()
-    parts = Pipeline.build(cfg)
-    devices = [torch.device(d) for d in parts.devices]
-    total = parts.schedule.total_steps * cfg.drafters  # batches, as many as the threaded run
-    rounds = -(-total // len(devices))
-    # Each replica takes `rounds` optimizer steps, on the trainer's schedule stretched over them.
-    schedule = Schedule.of(rounds, cfg.warmup_ratio)
-    replicas = []
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        stage = parts.target_stage(device)
-        replicas.append((stage, parts.replica(device, schedule)))  # both on the device's one target
-    setup_s = time.perf_counter() - t0
-    batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
-    on_gpu = devices[0].type == "cuda"
-
-    warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
-    probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (2 if on_gpu else 1)))
-    host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
-    fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
-    wall = common.StepTimer(devices[0])
-    busy, host_ms, startup_s, first_round_s, probe_kernels = common.BusyProbe(), [], None, None, None
-
-    # The timers' spans, by the phases the step functions mark: the target's forward; the drafter's step.
-    timing = {"prepare": [fwd_timer.start], "forward": [fwd_timer.stop, step_timer.start],
-              "optimizer": [step_timer.stop]}
-
-    def timed_mark(phase):
-        for call in timing.get(phase, ()):
-            call()
-
-    def one_batch(r, i, stage, replica, timed):
-        b = r * len(replicas) + i
-        if stage.device.type == "cuda":
-            torch.cuda.set_device(stage.device)
-        # The very step functions the trainer's worker threads call (workers.py).
-        index, batch = stage.step(batches[b % cfg.targets], mark=timed_mark if timed else None)
-        assert index == b, (index, b)
-        replica.train_step(batch, mark=timed_mark if timed else None)
-
-    for r in range(rounds):
-        if r == 1:
-            _sync_all(devices)
-            first_round_s = time.perf_counter() - t0 - setup_s
-        if r == warm_rounds:
-            _sync_all(devices)
-            startup_s = time.perf_counter() - t0
-        if r == host_end and on_gpu and probe:
-            busy.start()
-        if r == gpu_end:
-            if on_gpu and probe:
-                busy.stop()
-                probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
-            _sync_all(devices)
-            fwd_timer.discard()
-            step_timer.discard()
-            wall.begin()
-        torch.compiler.cudagraph_mark_step_begin()
-        for i, (stage, replica) in enumerate(replicas):
-            hosted = warm_rounds <= r < host_end
-            if hosted:
-                _sync_all(devices)
-                h0 = time.perf_counter()
-            one_batch(r, i, stage, replica, timed=i == 0 and r >= gpu_end)
-            if hosted:
-                host_ms.append((time.perf_counter() - h0) * 1000)
-                _sync_all(devices)
-    wall.finish()
-    fwd_timer.finish()
-    step_timer.finish()
-    timed_batches = (rounds - gpu_end) * len(replicas)
-    seconds = wall.t1 - wall.t0
-    return {
-        "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
-        "timed_batches": timed_batches,
-        "warmup_batches": warm_rounds * len(replicas),
-        "startup_s": startup_s,
-        "setup_s": setup_s,
-        "first_round_s": first_round_s,  # its compilation (and warmup runs) of the target and drafter steps
-        "compile_phases_s": common.compile_phases(),
-        "host_ms_per_batch": common.p50(host_ms),
-        "host_probe_batches": len(host_ms),
-        # the GPU probe's rounds: one batch per device each
-        "gpu_ms_per_batch_by_device": {str(d): us / 1000 / probe for d, us in busy.busy_us.items()}
-        if on_gpu and probe else {},
-        "gpu_probe_batches_per_device": probe if on_gpu else 0,
-        "gpu_probe_kernels": probe_kernels,  # the probe's kernels by name, per batch (thread_profile.kernel_summary)
-        "devices": parts.devices,
-        "mode": parts.policy.mode,
-        "loss_last": float(replicas[0][1].history[-1, 0]),
-        "losses": replicas[0][1].history[:, 0].tolist(),  # replica 0's, a step each
-        "target_fwd_p50_ms": common.p50(fwd_timer.ms),
-        "drafter_step_p50_ms": common.p50(step_timer.ms),
-        "drafter_step_p90_ms": common.p90(step_timer.ms),
-        "peak_memory_gib": common.peak_memory_gib(parts.devices),
-    }
-
-
-def _sync_all(devices) -> None:
-    for device in dict.fromkeys(devices):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
 # -- the driver -----------------------------------------------------------------------------------
 
 
@@ -241,7 +124,7 @@ def make_config(args, out_dir: str):
     from examples.dflash_trainer.config import TrainConfig
 
     kw = dict(out_dir=out_dir, targets=args.targets, drafters=args.drafters, devices=args.devices,
-              max_steps=args.steps, eval_every=0, checkpoint_every=0, seed=0)
+              max_steps=args.steps, eval_every=0, checkpoint_every=0, no_checkpoints=True, seed=0)
     for name in ("seq_len", "batch_size", "block_size", "num_anchors", "num_draft_layers", "num_target_layers_used",
                  "gil_switch_interval_ms", "cuda_graphs"):
         if getattr(args, name) is not None:
@@ -357,7 +240,7 @@ def main(argv=None) -> int:
         if args.cell == "threaded":
             result = run_threaded(cfg, profile_s=args.profile_seconds)
         else:
-            result = run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
+            result = dflash_sequential.run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
         common.finish_cell(args.cell_out, result, default=str)
     env = common.environment()
     started = time.perf_counter()

@@ -39,7 +39,7 @@ import projection  # noqa: E402
 import results_index  # noqa: E402
 import results_schema as schema  # noqa: E402
 from headlines import RESTART, TARGET_RATIO  # noqa: E402
-from results_schema import Results, ResultsError, startup_comparable  # noqa: E402
+from results_schema import Results, ResultsError, sequential_training, startup_comparable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The themes of docs/results.md's other results, in its order, each from its newest file; a scenarios
@@ -237,8 +237,8 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
         verdict = "met" if low >= TARGET_RATIO else ("met by some" if high >= TARGET_RATIO else "not met")
         data = best.data
         lines.append(f"- **DFlash trainer, threaded against one thread**: the 5 target + 3 drafter threads train at "
-                     f"{low:.2f} - {high:.2f}x the drafter tokens/s of one thread doing the same steps in turn (with one "
-                     f"drafter replica a device, so without the threads' gradient averaging), over "
+                     f"{low:.2f} - {high:.2f}x the drafter tokens/s of one thread doing the same batches in turn "
+                     f"({'; or '.join(sorted({sequential_training(r.data['sequential']) for r in runs}))}), over "
                      f"{len(runs)} runs of {len({r.data['shape'] for r in runs})} target sizes in "
                      f"{len({r.data['graphs'] for r in runs})} graphs modes (best: {_target(data)}, {data['graphs']}, "
                      f"{_num(data.get('tokens_per_s_threaded'))} against {_num(data.get('tokens_per_s_sequential'))}); "

@@ -27,6 +27,18 @@ RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}"
 
 # A dflash-throughput cell's ``inductor_cache``: the cache it started on.
 EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
+# A dflash-throughput sequential cell's ``training``: the threads' own training (their replicas, the
+# mean gradient of a round, one AdamW step a round on each device). Cells without the key stepped one
+# replica a device with AdamW after every batch: more optimizer work than threads that share a device's
+# weights (trainer since commit 672efbc), the same as threads that each stepped their own copy (before).
+AS_THREADED = "as threaded"
+
+
+def sequential_training(sequential: dict) -> str:
+    """What a dflash-throughput sequential cell trained, in words (``AS_THREADED``)."""
+    if sequential.get("training") == AS_THREADED:
+        return "the threads' own training: their replicas, the mean gradient, one AdamW step a round a device"
+    return "one drafter replica a device, AdamW after every batch, no gradient averaging"
 
 
 class ResultsError(ValueError):

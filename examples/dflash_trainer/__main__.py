@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(stop.signum).name
         if stop.checkpoint is not None:
             message = f"stopped by {name}: checkpoint saved to {stop.checkpoint}; continue with --resume"
+        elif config.no_checkpoints:
+            message = f"stopped by {name}" + (f" after step {stop.step}" if stop.step is not None else "") + \
+                ": no checkpoint saved (--no-checkpoints)"
         elif stop.step is not None:  # another process (rank 0) saved it
             message = f"stopped by {name} after step {stop.step}; rank 0 saves the checkpoint, not this process"
         else:

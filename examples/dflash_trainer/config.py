@@ -51,6 +51,9 @@ class TrainConfig:
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
     checkpoint_every: int = 100  # 0 disables periodic checkpoints
+    # Save no checkpoint at all, not even after the last step or on Ctrl-C: for runs whose weights
+    # are not wanted (benchmarks, smoke runs); --out-dir need not hold one then.
+    no_checkpoints: bool = False
     resume: bool = False
     overwrite: bool = False  # a fresh run into an --out-dir that holds a run deletes that run
     seed: int = 0

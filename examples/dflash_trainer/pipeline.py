@@ -103,7 +103,7 @@ class Pipeline:
         checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", config,
                                     topology={"processes": world, "samples": len(data), "data_digest": data_digest(data)})
         schedule = Schedule.for_run(config, len(data), world)
-        if rank == 0:  # the leader saves: every checkpoint_every steps and after the last
+        if rank == 0 and not config.no_checkpoints:  # the leader saves: every checkpoint_every steps and after the last
             saves = (schedule.total_steps // config.checkpoint_every if config.checkpoint_every else 0) + 1
             sizes.check_checkpoint_room(config, shape.config, num_params, saves)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
@@ -127,12 +127,11 @@ class Pipeline:
     def target_stage(self, device: torch.device) -> TargetStage:
         return TargetStage(self.targets.get(device), self.policy, num_anchors=self.config.num_anchors)
 
-    def replica(self, device: torch.device, schedule: Optional[Schedule] = None, *,
-                weights: Optional[SharedDrafterWeights] = None, steps_optimizer: bool = True) -> DrafterReplica:
+    def replica(self, device: torch.device, *, weights: Optional[SharedDrafterWeights] = None,
+                steps_optimizer: bool = True) -> DrafterReplica:
         """A drafter replica restored from the resume checkpoint, if any, on the device's shared
-        target. ``schedule`` replaces the run's (the sequential benchmark steps each replica more often);
-        ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
-        return DrafterReplica(self.config, self.policy, schedule or self.schedule, self.targets.get(device),
+        target. ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
+        return DrafterReplica(self.config, self.policy, self.schedule, self.targets.get(device),
                               self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
 
     @functools.cached_property

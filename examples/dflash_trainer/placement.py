@@ -20,6 +20,12 @@ class Placement:
     targets: tuple[str, ...]
     drafters: tuple[str, ...]
 
+    @property
+    def owners(self) -> list[int]:
+        """The drafters that step their device's shared weights (drafter.replica.SharedDrafterWeights):
+        the first drafter on each device (device names are canonical: available_devices)."""
+        return [i for i, d in enumerate(self.drafters) if self.drafters.index(d) == i]
+
     def describe(self) -> str:
         return f"targets on {', '.join(self.targets)}; drafters on {', '.join(self.drafters)}"
 

@@ -73,6 +73,14 @@ class Handoff:
             inbox.fail(error)
 
 
+def mean_into(own: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+    """The mean of ``own`` and ``others``, into ``own``: one ``lerp_`` pass per other (the mean of the
+    first k is m + (b - m) / k, the division folded in); a buffer on another device comes over as a
+    temporary copy first."""
+    for k, other in enumerate(others, start=2):
+        own.lerp_(other.to(own.device, non_blocking=True), 1.0 / k)
+
+
 class GradientAverager:
     """All-reduce of the flat gradient buffers (``grads.FlatGrads``) of the drafter replicas of
     this process and, with torch.distributed, over processes (only replica 0 talks to the
@@ -146,8 +154,7 @@ class GradientAverager:
     def _reduce(self, own: torch.Tensor) -> None:
         """Replica 0's part: the mean into ``own``, then into the other owners' buffers."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        for k, other in enumerate(self._buffers[1:], start=2):
-            own.lerp_(other.to(own.device, non_blocking=True), 1.0 / k)  # the mean of the first k
+        mean_into(own, self._buffers[1:])
         if world > 1:
             vote = torch.full((1,), self._control.vote(), dtype=own.dtype, device=own.device)
             self._averages += 1

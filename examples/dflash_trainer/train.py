@@ -50,7 +50,7 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
     # Drafters on one device share one copy of the weights; the first of them steps it.
-    owners = [i for i, d in enumerate(placement.drafters) if placement.drafters.index(d) == i]  # names are canonical
+    owners = placement.owners
     weights = SharedDrafterWeights()
     averager = GradientAverager(config.drafters, owners=owners, control=control, watchdog=watchdog)
     if leader and parts.start_step:
@@ -58,7 +58,8 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
     metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
     lead = Lead(parts.training_log(metrics, progress), control=control, start_step=parts.start_step,
                 evaluator=parts.evaluator if leader and config.eval_every else None, eval_every=config.eval_every,
-                checkpointer=parts.checkpointer if leader else None, checkpoint_every=config.checkpoint_every,
+                checkpointer=parts.checkpointer if leader and not config.no_checkpoints else None,
+                checkpoint_every=config.checkpoint_every,
                 startup_done=lambda: past_startup(group.workers))
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
                for i, d in enumerate(placement.targets)]

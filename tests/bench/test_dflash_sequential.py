@@ -1,5 +1,6 @@
-"""dflash_throughput's sequential loop steps the trainer's own step code: on the tiny assets it
-trains to the threaded trainer's per-step losses, bit for bit."""
+"""dflash_throughput's sequential loop trains what the threads train, with the trainer's own step
+code: on the tiny assets, three drafters sharing one device's weights, it trains to the threaded
+trainer's per-step losses, bit for bit."""
 
 import importlib
 import sys
@@ -23,11 +24,11 @@ def tiny_assets(tmp_path_factory):
 
 
 def tiny_config(assets, out_dir):
-    # One drafter: the sequential loop does not average gradients, and with one replica the
-    # threaded average is the identity. Two targets: batches alternate between the shards.
+    # Three drafters on one device: their gradients averaged, the shared weights stepped once a
+    # round by the first. Two targets: batches alternate between the shards.
     return TrainConfig(target=str(assets.target_dir), data=str(assets.train_jsonl), devices="cpu", seq_len=64,
                        block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1, num_target_layers_used=1,
-                       targets=2, drafters=1, max_steps=8, eval_every=0, checkpoint_every=0, out_dir=str(out_dir),
+                       targets=2, drafters=3, max_steps=8, eval_every=0, checkpoint_every=0, out_dir=str(out_dir),
                        lr=3e-3)
 
 
@@ -35,22 +36,29 @@ def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets,
     threaded = train(tiny_config(tiny_assets, tmp_path / "threaded")).losses
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    bench = importlib.import_module("dflash_throughput")
-    calls = {"target": 0, "drafter": 0}
-    stage_step, train_step = TargetStage.step, DrafterReplica.train_step
+    bench = importlib.import_module("dflash_sequential")
+    calls = {"target": 0, "drafter": 0, "update": 0}
+    stage_step, forward_backward, update = TargetStage.step, DrafterReplica.forward_backward, DrafterReplica.update
 
     def counted_stage_step(self, *args, **kwargs):
         calls["target"] += 1
         return stage_step(self, *args, **kwargs)
 
-    def counted_train_step(self, *args, **kwargs):
+    def counted_forward_backward(self, *args, **kwargs):
         calls["drafter"] += 1
-        return train_step(self, *args, **kwargs)
+        return forward_backward(self, *args, **kwargs)
+
+    def counted_update(self, *args, **kwargs):
+        calls["update"] += 1
+        return update(self, *args, **kwargs)
 
     monkeypatch.setattr(TargetStage, "step", counted_stage_step)
-    monkeypatch.setattr(DrafterReplica, "train_step", counted_train_step)
-    sequential = bench.run_sequential(tiny_config(tiny_assets, tmp_path / "sequential"), warmup_batches=2)
+    monkeypatch.setattr(DrafterReplica, "forward_backward", counted_forward_backward)
+    monkeypatch.setattr(DrafterReplica, "update", counted_update)
+    sequential = bench.run_sequential(tiny_config(tiny_assets, tmp_path / "sequential"), warmup_batches=6)
 
     assert len(threaded) == 8 and threaded[-1] < threaded[0]
     assert sequential["losses"] == threaded
-    assert calls == {"target": 8, "drafter": 8}  # every batch through the trainer's step functions
+    assert sequential["training"] == "as threaded" and sequential["timed_batches"] % 3 == 0
+    # every batch through the trainer's step functions; every replica counts each of the 8 steps
+    assert calls == {"target": 24, "drafter": 24, "update": 24}

@@ -216,6 +216,20 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_worker_starts(tiny_assets
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_run_refuses_an_out_dir_without_room_for_its_checkpoint_unless_it_saves_none(tiny_assets, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from examples.dflash_trainer.assets import sizes
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))  # 1000 B free
+    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about .* has 1000 bytes free; free some space or pass an --out-dir on a larger disk"):
+        train(tiny_config(tiny_assets, tmp_path / "saves", max_steps=2))
+    result = train(tiny_config(tiny_assets, tmp_path / "saves-none", max_steps=2, no_checkpoints=True))
+    assert len(result.losses) == 2
+    assert not (tmp_path / "saves-none" / "checkpoints").exists() or not any((tmp_path / "saves-none" / "checkpoints").iterdir())
+
+
 def test_the_memory_estimate_grows_with_the_batch_like_the_measured_peak():
     """Calibrated on the embedded default target, seq_len 96, CPU: peak RSS grew 0.027 GiB per sample
     (1.03 GiB at batch 16, 2.34 GiB at 64); the estimate must not grow more slowly."""
@@ -373,3 +387,21 @@ def test_ctrl_c_to_a_torchrun_job_saves_one_checkpoint_at_a_step_every_rank_agre
     step = int(latest.split("_")[1])
     assert f"checkpoint saved to {out / 'checkpoints' / latest}" in text[0], text[0][-3000:]
     assert f"after step {step}; rank 0 saves the checkpoint" in text[1], text[1][-3000:]
+
+
+def test_a_stop_with_no_checkpoints_says_none_was_saved(tiny_assets, tmp_path, quiet_cli, capsys, monkeypatch):
+    from examples.dflash_trainer.lead import Lead
+
+    after_step = Lead.after_step
+
+    def signalled_after_step(self, replica):  # SIGTERM while step 2 runs: the run stops after it
+        if replica.step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        after_step(self, replica)
+
+    monkeypatch.setattr(Lead, "after_step", signalled_after_step)
+    out = tmp_path / "run"
+    assert cli.main(cli_args(tiny_assets, out, "--max-steps", "6", "--checkpoint-every", "1", "--no-checkpoints")) == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"stopped by SIGTERM after step \d: no checkpoint saved \(--no-checkpoints\)", last), last
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
