@@ -16,14 +16,17 @@ trace's device work covers on that device (its first kernel's start to its last 
 not over the requested window: the trace holds every kernel that ran until the profiler stopped,
 so the requested window (``window_ms``, kept for information) is shorter than what it measures.
 
-Thread ids: a launch event's ``tid`` is Kineto's id of the launching thread, the low 32 bits of
-its ``pthread_self()``, which is what CPython's ``threading.get_ident()`` returns on Linux; CPU
-ops carry the native id (``threading.get_native_id()``). ``thread_names`` keys each thread Python
-knows by both, and ids are compared modulo 2**32, as an exporter may write them as signed int32.
-Kernels launched by threads Python does not know (autograd's device threads) count under
-``other threads``, and kernels whose launch the trace lacks under ``unattributed``; where some
-launches match no thread, ``unknown_launch_tids`` and ``named_tids`` keep the ids on both sides
-(on torch 2.11 and 2.14.1 every launch fell under ``other threads``: their ids are not yet understood).
+Thread ids: a launch event's ``tid`` is Kineto's id of the launching thread, made of the low 32
+bits of its ``pthread_self()``, which is what CPython's ``threading.get_ident()`` returns on Linux;
+CPU ops carry the native id (``threading.get_native_id()``). ``thread_names`` keys each thread
+Python knows by both, and ids are compared modulo 2**32, as an exporter may write them as signed
+int32. Torch 2.11's traces (on an H200) wrote every launch id negated, as the signed int32 with its
+sign flipped (target-0's ident bits 2506032832 as 1788934464 = 2**32 - 2506032832): a launch id that
+names no thread is tried negated before it counts as unknown. Kernels launched by threads Python
+does not know count under ``other threads`` (a thread Python met only through a callback, such as
+autograd's device thread running a compiled backward, has a ``Dummy-N`` name), and kernels whose
+launch the trace lacks under ``unattributed``; where some launches match no thread,
+``unknown_launch_tids`` and ``named_tids`` keep the ids on both sides.
 ``concurrent_ms`` is how much the threads' busy times overlap on a device: kernels of two threads
 running at once (positive), where per-thread busy times sum to more than the device's.
 
@@ -93,7 +96,7 @@ def attribute(trace: dict, names: dict, window_ms: float) -> dict:
         by_device.setdefault(device, []).append(span)
         correlation = e.get("args", {}).get("correlation")
         tid, call = launcher.get(correlation, (None, ""))
-        name = UNATTRIBUTED if tid is None else names.get(_tid(tid), OTHER)
+        name = UNATTRIBUTED if tid is None else names.get(_tid(tid)) or names.get(_negated(tid), OTHER)
         if name == OTHER:
             unknown.add(tid)
         entry = by_thread.setdefault(name, {"spans": {}, "work": [], "launches": set(), "graph_launches": set()})
@@ -192,6 +195,14 @@ def probe_kernels(prof, batches: int) -> Optional[dict]:
 def _tid(tid) -> Optional[int]:
     try:
         return int(tid) % TID_BITS
+    except (TypeError, ValueError):
+        return None
+
+
+def _negated(tid) -> Optional[int]:
+    """A launch id written with its sign flipped (torch 2.11), back to the thread's ident bits."""
+    try:
+        return -int(tid) % TID_BITS
     except (TypeError, ValueError):
         return None
 

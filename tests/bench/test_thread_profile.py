@@ -87,8 +87,8 @@ IDENT = 0x7F3A_42C7_F6C0
 
 
 def test_launches_are_attributed_by_the_low_32_bits_of_the_threads_ident():
-    """On an H200 (torch 2.11 and 2.14.1) the runtime events' tids were the launching threads'
-    pthread_self() low 32 bits (threading.get_ident()), not their native ids."""
+    """Runtime events' tids are the launching threads' pthread_self() low 32 bits
+    (threading.get_ident()), not their native ids (torch 2.15.0 on an H200)."""
     threads = [SimpleNamespace(name="target-0", ident=IDENT_HIGH_BIT, native_id=29313),
                SimpleNamespace(name="drafter-0", ident=IDENT, native_id=29314)]
     names = thread_profile.thread_names(threads)
@@ -107,6 +107,24 @@ def test_launches_are_attributed_by_the_low_32_bits_of_the_threads_ident():
     # the names map may hold full idents too: ids are compared modulo 2**32
     full = thread_profile.attribute(trace, {IDENT_HIGH_BIT: "target-0", IDENT: "drafter-0"}, window_ms=1.0)
     assert set(full["threads"]) == {"target-0", "drafter-0", "other threads"}
+
+
+def test_launch_ids_written_negated_name_their_threads():
+    """Torch 2.11's traces on an H200 wrote each launch id as minus the int32 of the thread's ident
+    bits: target-0's 2506032832 appeared as 1788934464 (dflash-throughput results of 2026-12-04)."""
+    threads = [SimpleNamespace(name="target-0", ident=0x7F3A_0000_0000 + 2506032832, native_id=2790),
+               SimpleNamespace(name="drafter-0", ident=IDENT, native_id=2795)]
+    names = thread_profile.thread_names(threads)
+    trace = {"traceEvents": [
+        runtime(1788934464, "cudaGraphLaunch", 1),  # 2**32 - 2506032832
+        runtime(-0x42C7_F6C0, "cudaLaunchKernel", 2),  # drafter-0's bits, negated
+        runtime(0x1234_F6C0, "cudaLaunchKernel", 3),  # a thread Python does not know, either way
+        kernel(0, 100, 1), kernel(100, 100, 2), kernel(200, 100, 3),
+    ]}
+    figures = thread_profile.attribute(trace, names, window_ms=1.0)
+    assert {name: t["launches"] for name, t in figures["threads"].items()} == {
+        "target-0": 1, "drafter-0": 1, "other threads": 1}
+    assert figures["unknown_launch_tids"] == [0x1234_F6C0]
 
 
 def test_a_launch_id_that_equals_another_threads_native_id_names_the_launching_thread():
