@@ -10,8 +10,9 @@
 #                                    # did not reach), then a gpu-scenarios phase (default label rest)
 #   tools/gpu_evidence.sh conformance  # the conformance suite, 4 placements
 #   tools/gpu_evidence.sh fence      # the fence's GPU tests (its matrix, the repro), then the fence-matrix results file
-#   tools/gpu_evidence.sh throughput [SHAPE [GRAPHS]]  # one DFlash throughput cell (default 0.6b, trees),
-#                                    # with a profiled window of each thread's share of the GPU
+#   tools/gpu_evidence.sh throughput [SHAPE [GRAPHS [ARG...]]]  # one DFlash throughput cell (default 0.6b,
+#                                    # trees), with a profiled window of each thread's share of the GPU;
+#                                    # ARGs go to the benchmark (e.g. --inductor-cache shared)
 #   tools/gpu_evidence.sh gil [SHAPE [GRAPHS]]  # py-spy's GIL profile of the threaded pipeline (default 0.6b,
 #                                    # trees); py-spy from PATH or a wheel carried in .device-torch/pyspy/
 #   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
@@ -120,7 +121,7 @@ print("reduce-overhead replay matches eager")'
     ;;
   throughput)
     step "dflash-throughput-${2:-0.6b}-${3:-trees}" python3 -m benchmarks dflash-throughput --target-shape "${2:-0.6b}" \
-      --cuda-graphs "${3:-trees}"
+      --cuda-graphs "${3:-trees}" "${@:4}"
     ;;
   gil)
     if [ -n "$pyspy_wheel" ]; then
