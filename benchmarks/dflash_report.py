@@ -26,20 +26,26 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
     """The figures the DFlash table of docs/results.md shows, from both cells.
 
     GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
-    seq_len per batch over the busiest device's kernel time per batch (sequential loop, under
-    torch.profiler), times the devices. GIL: the sequential loop's host time per batch (perf_counter
+    seq_len per batch over the GPU time of a batch (sequential loop, under torch.profiler): the
+    busiest device's kernel time a round over the round's batches (older files: the busiest device's
+    time for its one batch a round, the limit then times the devices). GIL: the sequential loop's host time per batch (perf_counter
     around one batch's Python work, the device synchronised before and after), and the number of GPUs
     one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch.
     Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run."""
     batch_tokens = cfg.batch_size * cfg.seq_len
-    gpu_ms = sequential.get("gpu_ms_per_batch_by_device") or {}
-    devices = len(sequential.get("devices") or [None])
+    per_round = sequential.get("gpu_ms_per_round_by_device") or {}
+    if per_round:  # a round: one batch a drafter, spread over the devices as the threads' are
+        gpu_ms_per_batch, parallel = max(per_round.values()) / sequential["batches_per_round"], 1
+    else:  # files before the loop trained as the threads: one batch a device a round
+        per_batch = sequential.get("gpu_ms_per_batch_by_device") or {}
+        gpu_ms_per_batch = max(per_batch.values()) if per_batch else None
+        parallel = len(sequential.get("devices") or [None])
     out = {"tokens_per_s_threaded": threaded.get("tokens_per_s"),
            "tokens_per_s_sequential": sequential.get("tokens_per_s"),
            "tokens_per_s_last_window_threaded": threaded.get("tokens_per_s_last_window"),
            "startup_s_threaded": threaded.get("startup_s"), "startup_s_sequential": sequential.get("startup_s"),
            "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
-           "gpu_ms_per_batch": max(gpu_ms.values()) if gpu_ms else None}
+           "gpu_ms_per_batch": gpu_ms_per_batch}
     for name, cell in (("threaded", threaded), ("sequential", sequential)):
         peaks = cell.get("peak_memory_gib") or {}
         out[f"peak_memory_gib_{name}"] = max(peaks.values()) if peaks else None
@@ -48,7 +54,7 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
     out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
                             if startup_comparable(sequential) else None)
     if out["gpu_ms_per_batch"]:
-        out["gpu_bound_tokens_per_s"] = devices * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
+        out["gpu_bound_tokens_per_s"] = parallel * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
         out["gpu_bound_reason"] = None
     else:
         out["gpu_bound_tokens_per_s"] = None
@@ -83,10 +89,12 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
          threaded.get("mode"), f"error: {threaded['error']}" if "error" in threaded else
          f"median of {threaded.get('steady_windows')} windows; step = worker step(), mean over workers"],
         ["sequential colocated", 1, sequential.get("tokens_per_s"), None, sequential.get("startup_s"),
-         sequential.get("drafter_step_p50_ms"), sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
+         sequential.get("drafter_forward_backward_p50_ms", sequential.get("drafter_step_p50_ms")),
+         sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
          f"error: {sequential['error']}" if "error" in sequential else
          f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
-         f"probes; {sequential_training(sequential)}"],
+         f"probes; {sequential_training(sequential)}"
+         + ("; drafter step = its forward-backward" if "drafter_forward_backward_p50_ms" in sequential else "")],
     ]
     if processes is not None:
         rows.append([f"processes ({processes.get('processes', '?')} ranks, torchrun)", "1 per rank", processes.get("tokens_per_s"), None,

@@ -4,6 +4,7 @@ and the host time a batch (dflash_report turns them into the headline figures)."
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -19,39 +20,47 @@ PROBE_ROUNDS = 5  # rounds of the host-time probe, and again of the GPU-time pro
 
 
 def run_sequential(cfg, warmup_batches: int) -> dict:
-    """The threaded trainer's training, done by one thread: each round (one drafter step), for each
-    drafter d in turn the target stage of global batch b = round * drafters + d on d's device, then
-    d's forward-backward; then the mean of the round's gradients (``routing.mean_into``, as the
-    threads' averager makes it) and the update of each device's shared weights by their owner.
-    The same replicas, placement, schedule and optimizer steps as the threads: only the threads go.
+    """The threaded trainer's training, done by one thread. Each round (one drafter step), for each
+    drafter d in turn: global batch b = round * drafters + d through the target stage on its target
+    worker's device (target b % targets, as placed for the threads), moved to d's device where that
+    differs (the hand-off's copy), then d's forward-backward; then the round's mean gradient
+    (``routing.mean_into``, as the threads' averager makes it), each replica's update (the owners
+    step their device's shared weights), and every LOG_EVERY rounds the read of drafter 0's history
+    that the lead's training log does. The same replicas, placement, schedule, optimizer steps and
+    host syncs as the threads: only the threads go.
 
     Rounds: warmup (compilation, capture; startup_s ends with it), then PROBE_ROUNDS of the host
-    probe (the device is synchronised before and after each batch, so the perf_counter span around
+    probe (the devices are synchronised before and after each batch, so the perf_counter span around
     its Python work is host time alone, which holds the GIL; the round's averaging and updates are
     timed with its last batch), then, on GPU, PROBE_ROUNDS under torch.profiler (each device's
-    kernel-busy time: the GPU time of a batch; and its kernels by name, per batch:
-    thread_profile.probe_kernels), then the timed rounds of tokens/s."""
+    kernel-busy time a round; and the kernels by name, per batch: thread_profile.probe_kernels),
+    then the timed rounds of tokens/s."""
     from examples.dflash_trainer.drafter.replica import SharedDrafterWeights
     from examples.dflash_trainer.pipeline import Pipeline
     from examples.dflash_trainer.placement import place
     from examples.dflash_trainer.routing import mean_into
+    from examples.dflash_trainer.run.metrics import LOG_EVERY
 
     t0 = time.perf_counter()
     parts = Pipeline.build(cfg)
     placement = place(cfg.targets, cfg.drafters, parts.devices)
     devices = [torch.device(d) for d in placement.drafters]
+    used = [torch.device(d) for d in dict.fromkeys(placement.drafters + placement.targets)]
     weights, owners = SharedDrafterWeights(), placement.owners
-    drafters = []
+    replicas = []
     for d, device in enumerate(devices):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        drafters.append((parts.target_stage(device), parts.replica(device, weights=weights, steps_optimizer=d in owners)))
+        with _on(device):
+            replicas.append(parts.replica(device, weights=weights, steps_optimizer=d in owners))
+    stages = {}
+    for name in dict.fromkeys(placement.targets):
+        with _on(torch.device(name)):
+            stages[name] = parts.target_stage(torch.device(name))
     setup_s = time.perf_counter() - t0
     batches = [parts.batches(shard) for shard in range(cfg.targets)]  # global batch b is shard b % T's
     rounds = parts.schedule.total_steps
     on_gpu = devices[0].type == "cuda"
 
-    warm_rounds = min(rounds - 1, -(-warmup_batches // len(drafters)))
+    warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
     probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (2 if on_gpu else 1)))
     host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
@@ -68,87 +77,101 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             call()
 
     def one_batch(r, d, timed):
-        b = r * len(drafters) + d
-        stage, replica = drafters[d]
-        if stage.device.type == "cuda":
-            torch.cuda.set_device(stage.device)
-        # The very step functions the trainer's worker threads call (workers.py).
-        index, batch = stage.step(batches[b % cfg.targets], mark=timed_mark if timed else None)
+        b = r * len(replicas) + d
+        target = placement.targets[b % cfg.targets]
+        with _on(torch.device(target)):
+            # The very step functions the trainer's worker threads call (workers.py).
+            index, batch = stages[target].step(batches[b % cfg.targets], mark=timed_mark if timed else None)
         assert index == b, (index, b)
-        replica.forward_backward(batch)
-        if timed:
-            timed_mark("forward_backward")
+        with _on(devices[d]):
+            if target != placement.drafters[d]:
+                batch = {k: v.to(devices[d], non_blocking=True) for k, v in batch.items()}
+            replicas[d].forward_backward(batch)
+            if timed:
+                timed_mark("forward_backward")
 
-    def update():
-        first = drafters[0][1].grads.buffer
-        mean_into(first, [replica.grads.buffer for _, replica in drafters[1:]])
-        for d in owners[1:]:
-            drafters[d][1].grads.buffer.copy_(first, non_blocking=True)
-        for _, replica in drafters:
-            replica.update()  # the owners step their device's weights; every replica counts the step
+    def update(r):
+        first = replicas[0].grads.buffer
+        with _on(devices[0]):
+            mean_into(first, [replica.grads.buffer for replica in replicas[1:]])
+            for d in owners[1:]:
+                replicas[d].grads.buffer.copy_(first, non_blocking=True)
+        for device, replica in zip(devices, replicas):
+            with _on(device):  # a whole-step update graph is bound to the current device
+                replica.update()  # the owners step their device's weights; every replica counts the step
+        if (r + 1) % LOG_EVERY == 0:  # the training log's read (Lead.after_step): a host sync
+            replicas[0].history[r + 1 - LOG_EVERY:r + 1].tolist()
 
     for r in range(rounds):
         if r == 1:
-            _sync_all(devices)
+            _sync_all(used)
             first_round_s = time.perf_counter() - t0 - setup_s
         if r == warm_rounds:
-            _sync_all(devices)
+            _sync_all(used)
             startup_s = time.perf_counter() - t0
         if r == host_end and on_gpu and probe:
             busy.start()
         if r == gpu_end:
             if on_gpu and probe:
                 busy.stop()
-                probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(drafters))
-            _sync_all(devices)
+                probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
+            _sync_all(used)
             fwd_timer.discard()
             step_timer.discard()
             wall.begin()
         torch.compiler.cudagraph_mark_step_begin()
         hosted, round_ms = warm_rounds <= r < host_end, 0.0
-        for d in range(len(drafters)):
+        for d in range(len(replicas)):
             if hosted:
-                _sync_all(devices)
+                _sync_all(used)
                 h0 = time.perf_counter()
             one_batch(r, d, timed=d == 0 and r >= gpu_end)
-            if d == len(drafters) - 1:
-                update()
+            if d == len(replicas) - 1:
+                update(r)
             if hosted:
                 round_ms += (time.perf_counter() - h0) * 1000
-                _sync_all(devices)
+                _sync_all(used)
         if hosted:
-            host_ms.append(round_ms / len(drafters))  # a batch's mean, its share of the update in it
+            host_ms.append(round_ms / len(replicas))  # a batch's mean, its share of the update in it
+    _sync_all(used)
     wall.finish()
     fwd_timer.finish()
     step_timer.finish()
-    timed_batches = (rounds - gpu_end) * len(drafters)
+    timed_batches = (rounds - gpu_end) * len(replicas)
     seconds = wall.t1 - wall.t0
     return {
         "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
         "timed_batches": timed_batches,
-        "warmup_batches": warm_rounds * len(drafters),
+        "warmup_batches": warm_rounds * len(replicas),
         "training": AS_THREADED,
         "startup_s": startup_s,
         "setup_s": setup_s,
         "first_round_s": first_round_s,  # its compilation (and warmup runs) of the target and drafter steps
         "compile_phases_s": common.compile_phases(),
         "host_ms_per_batch": common.p50(host_ms),
-        "host_probe_batches": len(host_ms),
-        # per batch: the probe rounds' batches on that device (one a drafter there, each round)
-        "gpu_ms_per_batch_by_device": {str(d): us / 1000 / (probe * sum(x.index == d for x in devices))
-                                       for d, us in busy.busy_us.items()}
+        "host_probe_rounds": len(host_ms),
+        "host_probe_batches": len(host_ms) * len(replicas),
+        # each device's kernel-busy time a round (a round: one batch a drafter, on the devices the
+        # threads would use); dflash_report.headline turns the busiest into the GPU-bound limit
+        "gpu_ms_per_round_by_device": {str(d): us / 1000 / probe for d, us in busy.busy_us.items()}
         if on_gpu and probe else {},
-        "gpu_probe_batches_per_device": probe * len(drafters) // len(set(devices)) if on_gpu else 0,
+        "batches_per_round": len(replicas),
+        "gpu_probe_rounds": probe if on_gpu else 0,
         "gpu_probe_kernels": probe_kernels,  # the probe's kernels by name, per batch (thread_profile.kernel_summary)
-        "devices": sorted(set(placement.drafters)),
+        "devices": parts.devices,
         "mode": parts.policy.mode,
-        "loss_last": float(drafters[0][1].history[-1, 0]),
-        "losses": drafters[0][1].history[:, 0].tolist(),  # the mean over the round's batches, a step each
+        "loss_last": float(replicas[0].history[-1, 0]),
+        "losses": replicas[0].history[:, 0].tolist(),  # the mean over the round's batches, a step each
         "target_fwd_p50_ms": common.p50(fwd_timer.ms),
-        "drafter_step_p50_ms": common.p50(step_timer.ms),
-        "drafter_step_p90_ms": common.p90(step_timer.ms),
+        "drafter_forward_backward_p50_ms": common.p50(step_timer.ms),
+        "drafter_forward_backward_p90_ms": common.p90(step_timer.ms),
         "peak_memory_gib": common.peak_memory_gib(parts.devices),
     }
+
+
+def _on(device: torch.device):
+    """Work enqueued on ``device`` (a CUDA device made current; nothing to do on the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _sync_all(devices) -> None:

@@ -189,7 +189,7 @@ def _print_summary(r: RunResult) -> None:
               f"{w.peer_compile_wait_s:.1f} s)" + (f" by phase s: {warmup_phases}" if warmup_phases else "")
               + f"  captures {w.captures}"
               + (f"  host ms: {phases}" if phases else ""))
-    print(f"metrics: {r.out_dir}/metrics.jsonl  checkpoint: {r.checkpoint}")
+    print(f"metrics: {r.out_dir}/metrics.jsonl  checkpoint: {r.checkpoint if r.checkpoint is not None else 'none saved'}")
 
 if __name__ == "__main__":
     sys.exit(main())

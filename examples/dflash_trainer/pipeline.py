@@ -2,8 +2,8 @@
 execution policy, the data and its schedule, and the checkpoint to resume from; and the
 builders of its components (target stages, drafter replicas, the evaluator, the training log).
 
-``train.train`` runs these components as worker threads; ``benchmarks/dflash_throughput.py``'s
-sequential loop steps the very same components in one thread.
+``train.train`` runs these components as worker threads; the throughput benchmark's sequential
+loop (``benchmarks/dflash_sequential.py``) steps the very same components in one thread.
 """
 
 from __future__ import annotations

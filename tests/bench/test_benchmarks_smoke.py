@@ -101,7 +101,9 @@ def test_dflash_throughput_quick(runs):
     assert data["tokens_per_s_threaded"] == windows[1] and data["tokens_per_s_last_window_threaded"] == windows[-1]
     assert data["ratio"] is not None
     assert 0 < data["startup_s_threaded"] < data["seconds"] and 0 < data["startup_s_sequential"] < data["seconds"]
-    assert data["host_gil_ms_per_batch"] > 0 and data["sequential"]["host_probe_batches"] == 5
+    seq = data["sequential"]
+    assert data["host_gil_ms_per_batch"] > 0 and seq["host_probe_rounds"] == 5
+    assert seq["host_probe_batches"] == 5 * seq["batches_per_round"] == 5 * data["config"]["drafters"]
     assert data["gpu_bound_tokens_per_s"] is None and "no CUDA" in data["gpu_bound_reason"]
     assert data["projected_gpus_per_process"] is None and data["ratio_threaded_to_gpu_bound"] is None
     # peak memory: each cell's own process (its resident set on a CPU), beside the trainer's estimate

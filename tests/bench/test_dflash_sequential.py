@@ -59,6 +59,21 @@ def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets,
 
     assert len(threaded) == 8 and threaded[-1] < threaded[0]
     assert sequential["losses"] == threaded
-    assert sequential["training"] == "as threaded" and sequential["timed_batches"] % 3 == 0
     # every batch through the trainer's step functions; every replica counts each of the 8 steps
     assert calls == {"target": 24, "drafter": 24, "update": 24}
+
+
+def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds_batches():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    report = importlib.import_module("dflash_report")
+    cfg = TrainConfig(batch_size=4, seq_len=256)
+    # drafters on cuda:0, cuda:1, cuda:0: a round is 3 batches; cuda:0 is busy 20 ms of it, cuda:1 12 ms
+    sequential = {"tokens_per_s": 1.0, "gpu_ms_per_round_by_device": {"0": 20.0, "1": 12.0}, "batches_per_round": 3,
+                  "devices": ["cuda:0", "cuda:1"], "training": "as threaded"}
+    figures = report.headline(cfg, {"tokens_per_s": 1.0}, sequential, on_gpu=True)
+    assert figures["gpu_ms_per_batch"] == pytest.approx(20.0 / 3)
+    assert figures["gpu_bound_tokens_per_s"] == pytest.approx(3 * 1024 / 0.020)  # 3 batches in the busiest 20 ms
+    # files of the earlier loop: each device's time for its one batch a round, times the devices
+    older = {"tokens_per_s": 1.0, "gpu_ms_per_batch_by_device": {"0": 10.0, "1": 8.0}, "devices": ["cuda:0", "cuda:1"]}
+    figures = report.headline(cfg, {"tokens_per_s": 1.0}, older, on_gpu=True)
+    assert figures["gpu_bound_tokens_per_s"] == pytest.approx(2 * 1024 / 0.010)

@@ -223,7 +223,7 @@ def test_a_run_refuses_an_out_dir_without_room_for_its_checkpoint_unless_it_save
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))  # 1000 B free
-    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about .* has 1000 bytes free; free some space or pass an --out-dir on a larger disk"):
+    with pytest.raises(sizes.TooLarge, match=r"a checkpoint of this drafter needs about .* has 1000 bytes free; free some space, pass an --out-dir on a larger disk, or --no-checkpoints"):
         train(tiny_config(tiny_assets, tmp_path / "saves", max_steps=2))
     result = train(tiny_config(tiny_assets, tmp_path / "saves-none", max_steps=2, no_checkpoints=True))
     assert len(result.losses) == 2

@@ -86,7 +86,8 @@ def check_checkpoint_room(config: TrainConfig, model_config: Any, num_params: in
     free = shutil.disk_usage(existing).free
     if one > free:
         raise TooLarge(f"a checkpoint of this drafter needs about {human_bytes(one)} but the disk of --out-dir "
-                       f"{out} has {human_bytes(free)} free; free some space or pass an --out-dir on a larger disk")
+                       f"{out} has {human_bytes(free)} free; free some space, pass an --out-dir on a larger disk, or "
+                       f"--no-checkpoints if the trained weights are not wanted")
     if one * saves > free:
         log.warning("dflash: the run's %d checkpoints need about %s, more than the %s free on the disk of "
                     "%s; raise --checkpoint-every or make room before they are written", saves, human_bytes(one * saves),

@@ -6,8 +6,9 @@ device-only calls per step: ``forward_backward(batch)`` fills the gradients (and
 metrics), ``update()`` clips, steps AdamW and the schedule, and writes the step's row of
 ``history``. Between the two the caller averages ``grads`` over the replicas
 (routing.GradientAverager); the execution policy decides whether each call is eager, CUDAGraph
-Trees or one captured CUDA graph. ``train_step`` is those three in order, the one step that the
-drafter worker thread and the benchmark's sequential loop both call.
+Trees or one captured CUDA graph. ``train_step`` is those three in order, the drafter worker thread's
+step; the benchmark's sequential loop (benchmarks/dflash_sequential.py) calls the two itself, with the
+round's mean between them.
 
 Replicas of one process on one device may share one copy of the weights (``SharedDrafterWeights``):
 each keeps its own parameters (so its own gradients) as views of the same storage, and only one of
