@@ -15,7 +15,9 @@
 #                                    # ARGs go to the benchmark (e.g. --inductor-cache shared)
 #   tools/gpu_evidence.sh gil [SHAPE [GRAPHS]]  # py-spy's GIL profile of the threaded pipeline (default 0.6b,
 #                                    # trees); py-spy from PATH or a wheel carried in .device-torch/pyspy/
-#   tools/gpu_evidence.sh startup    # the main job's startup (Trees, whole-step), empty Inductor caches
+#   tools/gpu_evidence.sh startup [ARG...]  # the main job's startup (Trees, whole-step), empty Inductor
+#                                    # caches; ARGs go to trainer-startup (e.g. --append --label "warmers"
+#                                    # -- --compile-warmers)
 #   tools/gpu_evidence.sh drafter    # the drafter's Trees step in 4 placements at once; on a failure, the
 #                                    # switches that each take one suspect away; the fused attention ops compiled
 #
@@ -132,7 +134,7 @@ print("reduce-overhead replay matches eager")'
       --cuda-graphs "${3:-trees}"
     ;;
   startup)
-    step trainer-startup python3 -m benchmarks trainer-startup --no-restart
+    step trainer-startup python3 -m benchmarks trainer-startup --no-restart "${@:2}"
     ;;
   drafter)
     probe() {  # probe NAME ARGS...: one scenario process with an Inductor cache of its own, in the background

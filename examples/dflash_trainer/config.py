@@ -54,6 +54,10 @@ class TrainConfig:
     # Save no checkpoint at all, not even after the last step or on Ctrl-C: for runs whose weights
     # are not wanted (benchmarks, smoke runs); --out-dir need not hold one then.
     no_checkpoints: bool = False
+    # Compile the target and drafter steps first in two helper processes (run/warmers.py), which fill
+    # Inductor's caches while this one builds; the workers then load the compiled code. Only where
+    # steps compile, in one process (not under torchrun).
+    compile_warmers: bool = False
     resume: bool = False
     overwrite: bool = False  # a fresh run into an --out-dir that holds a run deletes that run
     seed: int = 0

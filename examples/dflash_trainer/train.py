@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,11 +21,13 @@ from .drafter.replica import SharedDrafterWeights
 from .lead import Lead
 from .run.metrics import MetricsLogger
 from .pipeline import Pipeline
-from .placement import place
+from .placement import available_devices, place
+from .policy import ExecutionPolicy
 from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
 from .run.startup import StartupMonitor, past_startup
+from .run.warmers import CompileWarmers
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")
@@ -42,6 +45,30 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
 
 def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], control: RunControl) -> RunResult:
     began = time.perf_counter()
+    # Before the build, so that the warmers compile while this process loads and builds.
+    warmers = CompileWarmers.start(config) if _warms(config) else None
+    try:
+        return _run(config, progress, control, began, warmers)
+    finally:
+        if warmers is not None:
+            warmers.stop()
+
+
+def _warms(config: TrainConfig) -> bool:
+    """Whether this run starts compile warmers: asked for, its steps compile, one process."""
+    if not config.compile_warmers:
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log.info("dflash: --compile-warmers: under torchrun each rank compiles for itself; no warmers")
+        return False
+    if not ExecutionPolicy.resolve(config, available_devices(config.device_list)).compiles:
+        log.info("dflash: --compile-warmers: nothing compiles in this run (eager); no warmers")
+        return False
+    return True
+
+
+def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], control: RunControl, began: float,
+         warmers: Optional[CompileWarmers]) -> RunResult:
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
     placement = place(config.targets, config.drafters, parts.devices)
@@ -61,11 +88,15 @@ def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], cont
                 checkpointer=parts.checkpointer if leader and not config.no_checkpoints else None,
                 checkpoint_every=config.checkpoint_every,
                 startup_done=lambda: past_startup(group.workers))
-    targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff)
-               for i, d in enumerate(placement.targets)]
+
+    def ready(part: str) -> Optional[Callable[[], None]]:  # what a worker's first step waits for
+        return None if warmers is None else functools.partial(warmers.wait, part)
+
+    targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff,
+                            warmed=ready("target")) for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(i, d, replica=functools.partial(parts.replica, weights=weights, steps_optimizer=i in owners),
                               handoff=handoff, averager=averager, lead=lead if i == 0 else None,
-                              example=parts.example_item)
+                              example=parts.example_item, warmed=ready("drafter"))
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker

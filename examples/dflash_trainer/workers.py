@@ -29,10 +29,11 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
     device, then the hand-off to drafter b % D."""
 
     def __init__(self, index: int, device: str, *, stage: Callable[[torch.device], TargetStage],
-                 batches: ShardBatches, handoff: Handoff) -> None:
+                 batches: ShardBatches, handoff: Handoff, warmed: Optional[Callable[[], None]] = None) -> None:
         super().__init__(device, name=f"target-{index}", warmup_steps=3)
         self._build, self.batches, self.handoff = stage, batches, handoff
         self.phases = PhaseTimes()
+        self._warmed = warmed  # returns once a compile warmer has compiled the step (run/warmers.py)
 
     def setup(self) -> None:
         self.stage = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -42,6 +43,10 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
             self.stop()
             return
         self.phases.begin()
+        if self._warmed is not None:
+            wait, self._warmed = self._warmed, None
+            wait()
+            self.phases.mark("compile_warmer")
         b, item = self.stage.step(self.batches, mark=self.phases.mark)
         try:
             self.handoff.put(b, item)
@@ -58,7 +63,8 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
 
     def __init__(self, index: int, device: str, *, replica: Callable[[torch.device], DrafterReplica],
                  handoff: Handoff, averager: GradientAverager, lead: Optional[Lead] = None,
-                 example: Optional[Callable[[torch.device], dict]] = None) -> None:
+                 example: Optional[Callable[[torch.device], dict]] = None,
+                 warmed: Optional[Callable[[], None]] = None) -> None:
         super().__init__(device, name=f"drafter-{index}", warmup_steps=3)
         self.index, self._build, self.handoff, self.averager, self.lead = index, replica, handoff, averager, lead
         self.phases = PhaseTimes()
@@ -67,6 +73,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self._updated = averager.updated
         # An example item to compile the step on at the first step, while the targets compile.
         self._example = example
+        self._warmed = warmed  # returns once a compile warmer has compiled the step (run/warmers.py)
 
     def setup(self) -> None:
         self.replica = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -81,6 +88,10 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         if self.lead is not None:
             self.lead.before_step()
         self.phases.begin()
+        if self._warmed is not None:
+            wait, self._warmed = self._warmed, None
+            wait()
+            self.phases.mark("compile_warmer")
         if self._example is not None:
             example, self._example = self._example, None
             if replica.compiles:

@@ -53,7 +53,7 @@ class PhaseTimes:
     def totals_s(self, steps: int) -> dict[str, float]:
         """Seconds of each phase over the first ``steps`` steps (the warmup: where startup went).
         Every step marks every phase but the one a stop interrupts, and the first step may mark one
-        more (a drafter's ``compile_ahead``), so the first ``steps`` samples of a phase are warmup."""
+        more (``compile_warmer``, a drafter's ``compile_ahead``), so the first ``steps`` samples of a phase are warmup."""
         return {phase: round(sum(values[:steps]) / 1000, 2) for phase, values in self.ms.items() if values[:steps]}
 
     def medians(self, skip: int = 0) -> dict[str, float]:
