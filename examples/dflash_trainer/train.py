@@ -99,12 +99,15 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
                               example=parts.example_item, warmed=ready("drafter"))
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
-    group.on_failure(lambda error: (handoff.fail(error), averager.abort(error)))  # wake every blocked worker
+    group.on_failure(lambda error: (handoff.fail(error), averager.abort(error),  # wake every blocked worker
+                                    warmers is not None and warmers.stop()))
 
     def stop_workers() -> None:  # on replica 0's thread, at the step boundary, after the save
         group.stop()
         handoff.fail(ChannelClosed("the run is stopping"))
         averager.abort()
+        if warmers is not None:
+            warmers.stop()
 
     control.on_stop(stop_workers)
     log.info("dflash: %s; %d steps; %s", placement.describe(), parts.schedule.total_steps, parts.policy.mode)

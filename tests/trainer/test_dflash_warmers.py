@@ -84,6 +84,21 @@ def test_a_warmer_past_its_time_is_stopped_and_the_worker_goes_on(tmp_path, capl
     assert "the target compile warmer still runs after 1 s; stopping it and compiling here" in caplog.text
 
 
+def test_stopping_the_warmers_ends_a_workers_wait_without_a_failure_reported(tmp_path, caplog):
+    import threading
+
+    warmers = _warmers(tmp_path, {"drafter": "import time; time.sleep(120)"})
+    waiter = threading.Thread(target=warmers.wait, args=("drafter",))
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        waiter.start()
+        time.sleep(0.5)
+        began = time.perf_counter()
+        warmers.stop()  # what a failing or stopping run does
+        waiter.join(timeout=30)
+    assert not waiter.is_alive() and time.perf_counter() - began < 15
+    assert not warmers.running("drafter") and not caplog.records
+
+
 def test_an_eager_run_asked_for_warmers_starts_none(tiny_assets, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dflash"):
         result = train(tiny_config(tiny_assets, tmp_path, max_steps=2, compile_warmers=True))

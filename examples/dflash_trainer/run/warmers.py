@@ -12,7 +12,8 @@ weights and seed differed, the replica's first forward-backward took 2.1 s again
 caches key on the graphs, shapes and dtypes, not on weight values.
 
 A warmer that fails or outlasts ``WAIT_S`` costs nothing but its time: the workers log it (with
-the warmer's log file) and compile as they would have. Warmers hold a CUDA context and the target's
+the warmer's log file) and compile as they would have. A run that fails or stops ends its warmers
+at once, which also ends any worker's wait for them. Warmers hold a CUDA context and the target's
 weights on the first device while they run, and are stopped when the run ends. One process only:
 under torchrun each rank compiles for itself.
 """
@@ -45,6 +46,7 @@ class CompileWarmers:
         self._procs, self.logs, self.wait_s = procs, logs, wait_s
         self.seconds: dict[str, Optional[float]] = {part: None for part in procs}
         self._started = time.perf_counter()
+        self._stopping = False  # set by stop(): a warmer ended by it is no failure to report
 
     @classmethod
     def start(cls, config: TrainConfig, wait_s: float = WAIT_S) -> CompileWarmers:
@@ -72,7 +74,7 @@ class CompileWarmers:
             return
         if self.seconds[part] is None:
             self.seconds[part] = round(time.perf_counter() - self._started, 2)
-        if code != 0:
+        if code != 0 and not self._stopping:
             log.warning("dflash: the %s compile warmer failed (exit %d); compiling here instead (its log: %s)",
                         part, code, self.logs[part])
 
@@ -80,6 +82,9 @@ class CompileWarmers:
         return self._procs[part].poll() is None
 
     def stop(self) -> None:
+        """End the warmers still running (the run ended, failed or stops): a worker waiting for one
+        returns at once."""
+        self._stopping = True
         for proc in self._procs.values():
             _end(proc)
 
