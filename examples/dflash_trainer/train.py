@@ -89,14 +89,15 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
                 checkpoint_every=config.checkpoint_every,
                 startup_done=lambda: past_startup(group.workers))
 
-    def ready(part: str) -> Optional[Callable[[], None]]:  # what a worker's first step waits for
-        return None if warmers is None else functools.partial(warmers.wait, part)
+    def ready(part: str, device: str) -> Optional[Callable[[], None]]:  # what a worker's first step waits for
+        # A warmer compiles on the first device: the caches key on the device, so only its workers wait.
+        return None if warmers is None or device != parts.devices[0] else functools.partial(warmers.wait, part)
 
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff,
-                            warmed=ready("target")) for i, d in enumerate(placement.targets)]
+                            warmed=ready("target", d)) for i, d in enumerate(placement.targets)]
     drafters = [DrafterWorker(i, d, replica=functools.partial(parts.replica, weights=weights, steps_optimizer=i in owners),
                               handoff=handoff, averager=averager, lead=lead if i == 0 else None,
-                              example=parts.example_item, warmed=ready("drafter"))
+                              example=parts.example_item, warmed=ready("drafter", d))
                 for i, d in enumerate(placement.drafters)]
     group = threadgraph.WorkerGroup(targets + drafters)
     group.on_failure(lambda error: (handoff.fail(error), averager.abort(error),  # wake every blocked worker

@@ -24,6 +24,16 @@ from .target_stage import TargetStage
 _WOKEN = (ChannelClosed, threading.BrokenBarrierError)
 
 
+def _wait_for_warmer(worker) -> bool:
+    """A worker's first step: wait for its compile warmer (run/warmers.py) with the GIL and the
+    device gate released (other workers go on meanwhile); False when the run stopped meanwhile."""
+    wait, worker._warmed = worker._warmed, None
+    with threadgraph.released():
+        wait()
+    worker.phases.mark("compile_warmer")
+    return not worker.stopping
+
+
 class TargetWorker(threadgraph.CompiledWorkerThread):
     """Global batch b of shard ``index``: host data and anchor draws, the target stage on the
     device, then the hand-off to drafter b % D."""
@@ -44,9 +54,8 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
             return
         self.phases.begin()
         if self._warmed is not None:
-            wait, self._warmed = self._warmed, None
-            wait()
-            self.phases.mark("compile_warmer")
+            if not _wait_for_warmer(self):
+                return
         b, item = self.stage.step(self.batches, mark=self.phases.mark)
         try:
             self.handoff.put(b, item)
@@ -85,13 +94,12 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         if replica.finished:
             self.stop()
             return
+        self.phases.begin()
+        if self._warmed is not None:  # before the lead's first step: a stop meanwhile ends the run at once
+            if not _wait_for_warmer(self):
+                return
         if self.lead is not None:
             self.lead.before_step()
-        self.phases.begin()
-        if self._warmed is not None:
-            wait, self._warmed = self._warmed, None
-            wait()
-            self.phases.mark("compile_warmer")
         if self._example is not None:
             example, self._example = self._example, None
             if replica.compiles:

@@ -11,6 +11,12 @@ compiled code instead of generating it. On a CPU, with the drafter compiled by a
 weights and seed differed, the replica's first forward-backward took 2.1 s against 21 s cold: the
 caches key on the graphs, shapes and dtypes, not on weight values.
 
+Limits (the feature is off by default until a GPU run measures it): a warmer loads the whole target
+on the first device, so the run needs room for two more copies of its weights there, which the
+trainer's memory check does not count; the caches key on the device, so only the first device's
+workers wait for warmers; with bf16 autocast (the GPU default) AOTAutograd's cache may refuse the
+drafter's graph on some torch releases, leaving only Inductor's FX graph cache to hit.
+
 A warmer that fails or outlasts ``WAIT_S`` costs nothing but its time: the workers log it (with
 the warmer's log file) and compile as they would have. A run that fails or stops ends its warmers
 at once, which also ends any worker's wait for them. Warmers hold a CUDA context and the target's
@@ -24,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,8 +63,11 @@ class CompileWarmers:
         for part in PARTS:
             logs[part] = Path(config.out_dir) / f"compile-warmer-{part}.log"
             with open(logs[part], "w", encoding="utf-8") as out:
+                # A session of its own (a terminal's Ctrl-C is the run's to handle: it stops them), and
+                # ended with this process even when it is killed.
                 procs[part] = subprocess.Popen([sys.executable, "-m", __name__, part, settings], stdout=out,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(os.environ))
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(os.environ),
+                                               start_new_session=True, preexec_fn=_end_with_parent)
         log.info("dflash: compile warmers started (pids %s)", ", ".join(f"{p} {q.pid}" for p, q in procs.items()))
         return cls(procs, logs, wait_s)
 
@@ -87,6 +97,14 @@ class CompileWarmers:
         self._stopping = True
         for proc in self._procs.values():
             _end(proc)
+
+
+def _end_with_parent() -> None:
+    """In the warmer, before it starts: SIGTERM when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _end(proc: subprocess.Popen) -> None:
