@@ -52,8 +52,10 @@ case "$cmd" in
     d=$jobs_dir/$name
     [ -e "$d" ] && [ "$(state "$name")" = running ] && die "job '$name' is still running"
     rm -rf "$d"; mkdir -p "$d/repo" "$d/out"
-    tar -C "$repo" --exclude=./.device-torch --exclude=./gpu-evidence-logs --exclude=./.git -cf - . | tar -C "$d/repo" -xf -
-    # The release pieces stay out (GBs); a carried py-spy wheel comes along (gpu_evidence.sh gil installs it).
+    # The release pieces and any virtual environment (a folder holding pyvenv.cfg: CI keeps its venvs, GBs
+    # each, inside the clone) stay out; a carried py-spy wheel comes along (gpu_evidence.sh gil installs it).
+    tar -C "$repo" --exclude=./.device-torch --exclude=./gpu-evidence-logs --exclude=./.git \
+        --exclude-tag-all=pyvenv.cfg -cf - . | tar -C "$d/repo" -xf -
     if [ -d "$repo/.device-torch/pyspy" ]; then
       mkdir -p "$d/repo/.device-torch" && cp -r "$repo/.device-torch/pyspy" "$d/repo/.device-torch/"
     fi

@@ -35,20 +35,27 @@ def test_a_job_runs_from_a_snapshot_and_its_files_come_back(tmp_path):
     assert "in a copy" in (out / "one--log.txt").read_text()
 
 
-def test_the_snapshot_leaves_the_release_pieces_out_but_takes_a_carried_py_spy_wheel(tmp_path):
+def test_the_snapshot_leaves_release_pieces_and_venvs_out_but_takes_a_carried_py_spy_wheel(tmp_path):
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
     (repo / "tools" / "device_jobs.sh").write_text(SCRIPT.read_text())
     for piece in ("pyspy/py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.whl", "torch2.15.0.part00"):
         (repo / ".device-torch" / piece).parent.mkdir(parents=True, exist_ok=True)
         (repo / ".device-torch" / piece).write_text("x")
+    # CI's venvs live inside the clone; a snapshot of one filled CI's disk.
+    (repo / ".venv-2.14" / "lib").mkdir(parents=True)
+    (repo / ".venv-2.14" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (repo / ".venv-2.14" / "lib" / "torch_in_venv.so").write_text("x")
+    (repo / "venv_named_source").mkdir()
+    (repo / "venv_named_source" / "kept.py").write_text("x")
     env = {**os.environ, "DEVICE_JOBS": str(tmp_path / "jobs")}
     run = lambda *args: subprocess.run(["bash", str(repo / "tools" / "device_jobs.sh"), *args], capture_output=True,
                                        text=True, env=env, timeout=60)
-    assert run("start", "ls", "--", "bash", "-c", "ls -R .device-torch").returncode == 0
+    assert run("start", "ls", "--", "bash", "-c", "ls -aR").returncode == 0
     assert run("wait", "30", "ls").returncode == 0
     listed = (tmp_path / "jobs" / "ls" / "log").read_text()
     assert "py_spy-0.4.3" in listed and "torch2.15.0.part00" not in listed
+    assert "kept.py" in listed and ".venv-2.14" not in listed and "torch_in_venv.so" not in listed
 
 
 def test_wait_reports_a_failed_job_and_one_still_running(tmp_path):
