@@ -92,8 +92,11 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
          sequential.get("drafter_forward_backward_p50_ms", sequential.get("drafter_step_p50_ms")),
          sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
          f"error: {sequential['error']}" if "error" in sequential else
-         f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
-         f"probes; {sequential_training(sequential)}"
+         (f"median of {len(sequential['windows_tokens_per_s'])} windows of {LOG_EVERY} rounds, "
+          f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup, the probes "
+          f"after them; " if "windows_tokens_per_s" in sequential else
+          f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
+          f"probes; ") + sequential_training(sequential)
          + ("; drafter step = its forward-backward" if "drafter_forward_backward_p50_ms" in sequential else "")],
     ]
     if processes is not None:
@@ -125,7 +128,8 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         + f" ({cfg.target or 'embedded default assets'}); GIL switch interval of the threaded run: "
         f"{common.fmt(threaded.get('gil_switch_interval_ms'))} ms",
         f"- excluded from the steady figures: the threaded run's first {LOG_EVERY}-step window (setup, compilation, capture) "
-        "and its last (the drain), the same warmup share of the sequential batches and its probe rounds",
+        "and its last (the drain), the same warmup share of the sequential batches and its probe rounds"
+        + excluded_profile(threaded, sequential),
         *([] if env["gpu"] else ["- one intra-op thread per process (torch.set_num_threads(1))"]),
         "", common.markdown_table(columns, rows), "",
         f"**threaded / sequential tokens/s: {common.fmt(figures['ratio'])}x** (target >= {TARGET_RATIO})", "",
@@ -141,6 +145,19 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
         *kernel_lines(profiled.get("kernels"), sequential.get("gpu_probe_kernels")),
     ]
     return "\n".join(lines)
+
+
+def excluded_profile(threaded: dict, sequential: dict) -> str:
+    """What the steady figures say of the profiler: files from before the profile was kept apart
+    (no sequential windows) say nothing, as they did."""
+    if "windows_tokens_per_s" not in sequential:
+        return ""
+    after = "; the sequential probes come after its timed rounds"
+    if not threaded.get("thread_profile") or "error" in threaded["thread_profile"]:
+        return after
+    windows = threaded.get("profiled_windows") or []
+    return (f"; the threaded windows that the profile (after the first half of the steady ones) overlapped: "
+            f"{', '.join(map(str, windows)) or 'none'}" + after)
 
 
 def profile_lines(profiled: dict) -> list[str]:

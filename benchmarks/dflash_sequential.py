@@ -5,6 +5,7 @@ and the host time a batch (dflash_report turns them into the headline figures)."
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,12 +30,14 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     that the lead's training log does. The same replicas, placement, schedule, optimizer steps and
     host syncs as the threads: only the threads go.
 
-    Rounds: warmup (compilation, capture; startup_s ends with it), then PROBE_ROUNDS of the host
-    probe (the devices are synchronised before and after each batch, so the perf_counter span around
-    its Python work is host time alone, which holds the GIL; the round's averaging and updates are
+    Rounds: warmup (compilation, capture; startup_s ends with it), then the timed rounds, cut into
+    windows of LOG_EVERY rounds timed on the host as the trainer's log times its tokens/s windows
+    (tokens_per_s: their median, as the threaded cell's steady figure is), then the probes, after
+    the timed rounds so that no profiler has run before them: PROBE_ROUNDS of the host probe (the
+    devices are synchronised before and after each batch, so the perf_counter span around its
+    Python work is host time alone, which holds the GIL; the round's averaging and updates are
     timed with its last batch), then, on GPU, PROBE_ROUNDS under torch.profiler (each device's
-    kernel-busy time a round; and the kernels by name, per batch: thread_profile.probe_kernels),
-    then the timed rounds of tokens/s."""
+    kernel-busy time a round; and the kernels by name, per batch: thread_profile.probe_kernels)."""
     from examples.dflash_trainer.drafter.replica import SharedDrafterWeights
     from examples.dflash_trainer.pipeline import Pipeline
     from examples.dflash_trainer.placement import place
@@ -61,16 +64,19 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     on_gpu = devices[0].type == "cuda"
 
     warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
-    probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (2 if on_gpu else 1)))
-    host_end, gpu_end = warm_rounds + probe, warm_rounds + probe * (2 if on_gpu else 1)
+    probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (3 if on_gpu else 2)))
+    timed_end = rounds - probe * (2 if on_gpu else 1)
+    host_end = timed_end + probe
+    # the timed span's window edges: every LOG_EVERY rounds from the end of warmup, and its end
+    edges = sorted({*range(warm_rounds, timed_end, LOG_EVERY), timed_end})
+    edge_s = []
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
     busy, host_ms, startup_s, first_round_s, probe_kernels = common.BusyProbe(), [], None, None, None
 
     # The timers' spans, by the phases the step functions mark: the target's forward; the drafter's
     # forward-backward (its share of the round's averaging and update is not in it).
-    timing = {"prepare": [fwd_timer.start], "forward": [fwd_timer.stop, step_timer.start],
-              "forward_backward": [step_timer.stop]}
+    timing = {"prepare": [fwd_timer.start], "forward": [fwd_timer.stop], "forward_backward": [step_timer.stop]}
 
     def timed_mark(phase):
         for call in timing.get(phase, ()):
@@ -86,6 +92,8 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         with _on(devices[d]):
             if target != placement.drafters[d]:
                 batch = {k: v.to(devices[d], non_blocking=True) for k, v in batch.items()}
+            if timed:  # started on the drafter's device, where its stop is recorded
+                step_timer.start()
             replicas[d].forward_backward(batch)
             if timed:
                 timed_mark("forward_backward")
@@ -109,23 +117,25 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         if r == warm_rounds:
             _sync_all(used)
             startup_s = time.perf_counter() - t0
-        if r == host_end and on_gpu and probe:
-            busy.start()
-        if r == gpu_end:
-            if on_gpu and probe:
-                busy.stop()
-                probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
-            _sync_all(used)
             fwd_timer.discard()
             step_timer.discard()
             wall.begin()
+        if r in edges:
+            if r == timed_end:  # the last window ends when its work has (the trainer's windows end
+                _sync_all(used)  # on the history read's sync, the other windows here too)
+                wall.finish()
+                fwd_timer.finish()
+                step_timer.finish()
+            edge_s.append(time.perf_counter())
+        if r == host_end and on_gpu and probe:
+            busy.start()
         torch.compiler.cudagraph_mark_step_begin()
-        hosted, round_ms = warm_rounds <= r < host_end, 0.0
+        hosted, round_ms = timed_end <= r < host_end, 0.0
         for d in range(len(replicas)):
             if hosted:
                 _sync_all(used)
                 h0 = time.perf_counter()
-            one_batch(r, d, timed=d == 0 and r >= gpu_end)
+            one_batch(r, d, timed=d == 0 and warm_rounds <= r < timed_end)
             if d == len(replicas) - 1:
                 update(r)
             if hosted:
@@ -133,14 +143,23 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
                 _sync_all(used)
         if hosted:
             host_ms.append(round_ms / len(replicas))  # a batch's mean, its share of the update in it
+    if on_gpu and probe:
+        busy.stop()
+        probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
     _sync_all(used)
-    wall.finish()
-    fwd_timer.finish()
-    step_timer.finish()
-    timed_batches = (rounds - gpu_end) * len(replicas)
+    if timed_end == rounds:  # no probe rounds: the timed span ran to the end
+        wall.finish()
+        fwd_timer.finish()
+        step_timer.finish()
+        edge_s.append(time.perf_counter())
+    round_tokens = len(replicas) * cfg.batch_size * cfg.seq_len
+    windows = [(b - a) * round_tokens / (t1 - t0_) for a, b, t0_, t1 in zip(edges, edges[1:], edge_s, edge_s[1:])]
+    timed_batches = (timed_end - warm_rounds) * len(replicas)
     seconds = wall.t1 - wall.t0
     return {
-        "tokens_per_s": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
+        "tokens_per_s": statistics.median(windows),
+        "tokens_per_s_overall": timed_batches * cfg.batch_size * cfg.seq_len / seconds,
+        "windows_tokens_per_s": windows,
         "timed_batches": timed_batches,
         "warmup_batches": warm_rounds * len(replicas),
         "training": AS_THREADED,

@@ -62,41 +62,59 @@ from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E40
 from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
 
 
+MIN_CLEAN_WINDOWS = 2  # steady windows no profiler touched, at the least, for a profiled run
+
+
+def profile_span(steps: int) -> tuple[int, int] | None:
+    """The tokens/s windows (by count logged) at whose ends a profile of the threaded run starts
+    and stops: it starts once the first half of the steady windows are in, so they are timed with
+    no profiler having run, and stops at the end of the last steady window, before the drain. None
+    when the run has too few steady windows to keep MIN_CLEAN_WINDOWS of them apart."""
+    steady = -(-steps // LOG_EVERY) - 2  # without the first window (warmup) and the last (the drain)
+    clean = max(MIN_CLEAN_WINDOWS, steady // 2)
+    return (1 + clean, 1 + steady) if steady > clean else None
+
+
 def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     """The trainer itself. startup_s: from the call of ``train`` (pipeline build, model loads, worker
     setups, compilation, capture) to the end of the first tokens/s window, the first LOG_EVERY
     drafter steps; the steady figure is the median of the windows after it, without the last one,
     which holds the pipeline's drain (the targets have stopped feeding; it is reported apart).
-    With ``profile_s`` on a GPU, the first steady window starts a profiled window of that many
-    seconds (thread_profile.py: each thread's share of the device); windows it overlapped leave
-    the steady figure when two others remain."""
+    With ``profile_s`` on a GPU, a profile of at most that many seconds (thread_profile.py: each
+    thread's share of the device) runs over the later steady windows (``profile_span``); the windows
+    it overlapped, its export included, never enter the steady figure (the sequential cell's probes
+    likewise run after its timed rounds)."""
     from examples.dflash_trainer.train import train
 
     windows, ends = [], []
-    profile = thread_profile.ThreadProfile(profile_s) if profile_s > 0 and common.on_gpu() else None
+    span = profile_span(cfg.max_steps)
+    profiling = profile_s > 0 and common.on_gpu()
+    profile = thread_profile.ThreadProfile(profile_s) if profiling and span is not None else None
 
     def progress(record):
         if "tokens_per_s" in record:
             windows.append(record["tokens_per_s"])
             ends.append(time.perf_counter())
-            if profile is not None and len(windows) == 1:
+            if profile is not None and len(windows) == span[0]:
                 profile.start()
+            if profile is not None and len(windows) == span[1]:
+                profile.stop()
 
     t0 = time.perf_counter()
     results = train(cfg, progress=progress)
     trained = time.perf_counter()
     profiled = profile.outcome() if profile is not None else None
+    if profiling and profile is None:
+        profiled = {"error": f"not profiled: {cfg.max_steps} steps give too few steady windows to keep "
+                             f"{MIN_CLEAN_WINDOWS} apart from a profile"}
     steady_ids = list(range(1, len(windows) - 1)) if len(windows) > 2 else list(range(1, len(windows))) or [0]
     overlapped = []
-    if profiled is not None and profile.started_at is not None:
+    if profile is not None and profile.started_at is not None:
         ended = profile.ended_at if profile.ended_at is not None else float("inf")
         overlapped = [i for i in steady_ids if ends[i] > profile.started_at and ends[i - 1] < ended]
         if "error" not in profiled and trained < ended:
             profiled["training_ended_inside"] = True  # the busy shares then count the idle end too
-        if len(steady_ids) - len(overlapped) >= 2:
-            steady_ids = [i for i in steady_ids if i not in overlapped]
-        else:
-            overlapped = []  # kept in the steady figure: too few windows would remain
+        steady_ids = [i for i in steady_ids if i not in overlapped]
     steady = [windows[i] for i in steady_ids]
     return {
         "tokens_per_s": statistics.median(steady),

@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     rows = [[task, common.fmt(s["plain_p50_ms"], 3), common.fmt(s["installed_p50_ms"], 3), common.fmt(s["ratio"], 3)]
             for task, s in summary.items()]
     table = common.markdown_table(["task", "plain p50 ms", "install() p50 ms", "install() / plain"], rows)
-    lines = [f"# install() overhead on a single-threaded CUDAGraph Trees step", "", *common.header_lines(env), "",
+    lines = ["# install() overhead on a single-threaded CUDAGraph Trees step", "", *common.header_lines(env), "",
              f"Main thread only, small model, bf16; {args.turns} processes of each kind in turns, {args.steps} timed "
              "steps per task each; each figure is the median of the processes' p50s.", "", table, "",
              f"Regenerate: `{record['command']}`"]

@@ -7,6 +7,7 @@ driver's ``cuLaunchKernel``).
     probe = ThreadProfile(seconds=3.0)
     probe.start()            # from any thread: the profile runs in a helper thread of its own
     ...                      # the workers go on
+    probe.stop()             # optional: ends the window before its seconds are up
     figures = probe.result() # waits for the window to end; None without a GPU
 
 ``attribute`` turns a Chrome trace (what ``torch.profiler`` exports) into per-device busy time
@@ -212,10 +213,11 @@ def _share(ms: float, span_ms: float) -> Optional[float]:
 
 
 class ThreadProfile:
-    """One profiled window of ``seconds``, taken in a helper thread (see the module's doc)."""
+    """One profiled window of at most ``seconds``, taken in a helper thread (see the module's doc)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self._stop = threading.Event()
         self._figures: Optional[dict] = None
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -226,6 +228,10 @@ class ThreadProfile:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="thread-profile", daemon=True)
             self._thread.start()
+
+    def stop(self) -> None:
+        """End the window now (or, if it has not begun, as soon as it begins)."""
+        self._stop.set()
 
     def _run(self) -> None:
         try:
@@ -243,7 +249,7 @@ class ThreadProfile:
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
         names = thread_names()
-        time.sleep(self.seconds)
+        self._stop.wait(self.seconds)
         names.update(thread_names())  # a thread started inside the window too; an ident reused since, by its latest
         prof.__exit__(None, None, None)
         figures = attribute(chrome_trace(prof), names, self.seconds * 1000)

@@ -55,12 +55,27 @@ def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets,
     monkeypatch.setattr(TargetStage, "step", counted_stage_step)
     monkeypatch.setattr(DrafterReplica, "forward_backward", counted_forward_backward)
     monkeypatch.setattr(DrafterReplica, "update", counted_update)
+    # the order of the loop's device syncs and its timers' marks
+    order = []
+    sync_all, begin, finish = bench._sync_all, bench.common.StepTimer.begin, bench.common.StepTimer.finish
+    monkeypatch.setattr(bench, "_sync_all", lambda devices: (order.append("sync"), sync_all(devices))[1])
+    monkeypatch.setattr(bench.common.StepTimer, "begin", lambda self: (order.append("begin"), begin(self))[1])
+    monkeypatch.setattr(bench.common.StepTimer, "finish", lambda self: (order.append("finish"), finish(self))[1])
     sequential = bench.run_sequential(tiny_config(tiny_assets, tmp_path / "sequential"), warmup_batches=6)
 
     assert len(threaded) == 8 and threaded[-1] < threaded[0]
     assert sequential["losses"] == threaded
     # every batch through the trainer's step functions; every replica counts each of the 8 steps
     assert calls == {"target": 24, "drafter": 24, "update": 24}
+    # 8 rounds: 2 of warmup (6 batches), 4 timed, then 2 of the host probe, after the timed rounds:
+    # its syncs, two a batch, all come once the timers have finished; the timed span's one sync ends it
+    assert sequential["timed_batches"] == 12 and sequential["host_probe_rounds"] == 2
+    timed = order[order.index("begin"):]
+    last_finish = len(timed) - timed[::-1].index("finish")
+    assert timed[last_finish:].count("sync") >= 2 * 3 * 2 and timed[1:timed.index("finish")] == ["sync"]
+    # one window of the 4 timed rounds (windows are LOG_EVERY rounds long), the median of the windows
+    assert len(sequential["windows_tokens_per_s"]) == 1
+    assert sequential["tokens_per_s"] == sequential["windows_tokens_per_s"][0]
 
 
 def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds_batches():
@@ -77,3 +92,57 @@ def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds
     older = {"tokens_per_s": 1.0, "gpu_ms_per_batch_by_device": {"0": 10.0, "1": 8.0}, "devices": ["cuda:0", "cuda:1"]}
     figures = report.headline(cfg, {"tokens_per_s": 1.0}, older, on_gpu=True)
     assert figures["gpu_bound_tokens_per_s"] == pytest.approx(2 * 1024 / 0.010)
+
+
+@pytest.mark.parametrize("steps", [40, 50, 60, 100, 101, 200])
+def test_a_profiled_threaded_run_keeps_its_first_steady_windows_apart_and_stops_before_the_drain(steps):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    throughput = importlib.import_module("dflash_throughput")
+    windows = -(-steps // throughput.LOG_EVERY)  # the first holds warmup, the last the drain
+    span = throughput.profile_span(steps)
+    if windows - 2 <= throughput.MIN_CLEAN_WINDOWS:
+        assert span is None
+        return
+    start, stop = span  # by windows logged: the profile starts after window start - 1, stops after stop - 1
+    assert start - 1 >= throughput.MIN_CLEAN_WINDOWS and start - 1 >= (windows - 2) // 2
+    assert start < stop == windows - 1
+
+
+def test_the_threaded_cell_leaves_the_profiled_windows_out_of_its_steady_figure(tiny_assets, tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    throughput = importlib.import_module("dflash_throughput")
+    import time
+
+    class Window:  # a profile that costs nothing: when it started and ended, and where
+        made = []
+
+        def __init__(self, seconds):
+            self.started_at = self.ended_at = None
+            Window.made.append(self)
+
+        def start(self):
+            self.started_at = time.perf_counter()
+
+        def stop(self):
+            self.ended_at = time.perf_counter()
+
+        def outcome(self):
+            return {"figures": "of the window"}
+
+    monkeypatch.setattr(throughput.common, "on_gpu", lambda: True)
+    monkeypatch.setattr(throughput.thread_profile, "ThreadProfile", Window)
+    cfg = tiny_config(tiny_assets, tmp_path / "threaded")
+    cfg.max_steps = 50  # windows: warmup, 3 steady, the drain; the profile over the third steady one
+    result = throughput.run_threaded(cfg, profile_s=3.0)
+
+    (window,) = Window.made
+    assert window.started_at is not None and window.ended_at is not None
+    assert result["profiled_windows"] == [3] and result["steady_windows"] == 2
+    assert result["tokens_per_s"] == pytest.approx(sum(result["windows_tokens_per_s"][1:3]) / 2)
+    assert result["thread_profile"] == {"figures": "of the window"}
+
+    cfg.max_steps, cfg.out_dir = 40, str(tmp_path / "short")
+    Window.made.clear()
+    short = throughput.run_threaded(cfg, profile_s=3.0)
+    assert not Window.made and short["profiled_windows"] == [] and short["steady_windows"] == 2
+    assert short["thread_profile"]["error"].startswith("not profiled: 40 steps give too few steady windows")

@@ -296,3 +296,30 @@ def test_cpu_ops_carry_native_thread_ids():
     events = thread_profile.chrome_trace(prof)["traceEvents"]
     assert {e["tid"] for e in events if e.get("name") == "aten::mm"} == {threading.get_native_id()}
     assert thread_profile.thread_names()[threading.get_native_id()] == threading.current_thread().name
+
+
+def test_stop_ends_a_window_before_its_seconds(monkeypatch):
+    import time
+
+    import torch
+
+    class Profiler:  # CUDA activity needs a GPU; the window's timing does not
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.profiler, "profile", Profiler)
+    monkeypatch.setattr(thread_profile, "chrome_trace", lambda prof: {"traceEvents": []})
+    probe = thread_profile.ThreadProfile(120.0)
+    began = time.perf_counter()
+    probe.start()
+    probe.stop()
+    figures = probe.result(timeout=30)
+    assert time.perf_counter() - began < 30 and figures is not None
+    assert probe.started_at is not None and probe.ended_at is not None
