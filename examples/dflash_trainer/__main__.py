@@ -38,10 +38,16 @@ def _parser() -> argparse.ArgumentParser:
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
-                            help=f"default: {field.default}")
+                            help=_help(field))
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
+
+
+def _help(field: dataclasses.Field) -> str:
+    """A flag's help: the field's own words (its metadata's "help"), if any, and its default."""
+    doc = field.metadata.get("help")
+    return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
 
 
 def main(argv: list[str] | None = None) -> int:

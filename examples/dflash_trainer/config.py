@@ -58,6 +58,10 @@ class TrainConfig:
     # Inductor's caches while this one builds; the workers then load the compiled code. Only where
     # steps compile, in one process (not under torchrun).
     compile_warmers: bool = False
+    # The workers wait for their warmer at their first step, so this bounds that wait; inf: no limit.
+    compile_warmer_timeout_s: float = dataclasses.field(default=300.0, metadata={"help": (
+        "with --compile-warmers: seconds from a warmer's start until it is stopped and the workers that wait "
+        "for it compile themselves")})
     resume: bool = False
     overwrite: bool = False  # a fresh run into an --out-dir that holds a run deletes that run
     seed: int = 0
@@ -123,6 +127,8 @@ class TrainConfig:
             raise ValueError("resume and overwrite contradict each other: --resume continues the run in --out-dir, "
                              "--overwrite deletes it; pass one")
         _check_float("collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True, finite=False)
+        _check_float("compile_warmer_timeout_s", self.compile_warmer_timeout_s, low=0.0, low_open=True,
+                     finite=False)
         for name in ("target", "data", "devices"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

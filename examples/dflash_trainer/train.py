@@ -27,7 +27,7 @@ from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
 from .run.startup import StartupMonitor, past_startup
-from .run.warmers import CompileWarmers
+from .run.warmers import CompileWarmers, WarmerWait, cache_counts
 from .workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("dflash")
@@ -45,9 +45,10 @@ def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None
 
 def _train(config: TrainConfig, progress: Optional[Callable[[dict], None]], control: RunControl) -> RunResult:
     began = time.perf_counter()
-    # Before the build, so that the warmers compile while this process loads and builds.
-    warmers = CompileWarmers.start(config) if _warms(config) else None
+    warmers = None
     try:
+        # Before the build, so that the warmers compile while this process loads and builds.
+        warmers = CompileWarmers.start(config) if _warms(config) else None
         return _run(config, progress, control, began, warmers)
     finally:
         if warmers is not None:
@@ -69,6 +70,7 @@ def _warms(config: TrainConfig) -> bool:
 
 def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], control: RunControl, began: float,
          warmers: Optional[CompileWarmers]) -> RunResult:
+    caches_before = cache_counts()  # this process's counters are cumulative: the run's own are the difference
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
     placement = place(config.targets, config.drafters, parts.devices)
@@ -89,9 +91,9 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
                 checkpoint_every=config.checkpoint_every,
                 startup_done=lambda: past_startup(group.workers))
 
-    def ready(part: str, device: str) -> Optional[Callable[[], None]]:  # what a worker's first step waits for
+    def ready(part: str, device: str) -> Optional[WarmerWait]:  # what a worker's first step waits for
         # A warmer compiles on the first device: the caches key on the device, so only its workers wait.
-        return None if warmers is None or device != parts.devices[0] else functools.partial(warmers.wait, part)
+        return None if warmers is None or device != parts.devices[0] else warmers.waiter(part)
 
     targets = [TargetWorker(i, d, stage=parts.target_stage, batches=parts.batches(i), handoff=handoff,
                             warmed=ready("target", d)) for i, d in enumerate(placement.targets)]
@@ -143,6 +145,10 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
         distributed.shutdown(finished or control.stopped_at is not None)
     if control.stopped_at is not None:
         raise control.stopped(lead.checkpointer.saved if lead.checkpointer is not None else None)
+    caches = {name: count - caches_before[name] for name, count in cache_counts().items()}
+    if warmers is not None:
+        warmers.stop()  # the workers are done with them: any still running is recorded as stopped
+    _log_compiles(warmers, caches, parts.policy.compiles)
     return RunResult(
         rank=parts.rank, world=parts.world, total_steps=parts.schedule.total_steps, start_step=parts.start_step,
         **lead.results(),
@@ -162,7 +168,20 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
             phases_warmup_s=w.phases.totals_s(w.warmup_steps))
             for w in group.workers},
         out_dir=str(Path(config.out_dir)),
+        compile_warmers=warmers.report() if warmers is not None else None,
+        compile_caches=caches,
     )
+
+
+def _log_compiles(warmers: Optional[CompileWarmers], caches: dict[str, int], compiles: bool) -> None:
+    """One line on whether the warmers worked: their outcomes and the run's own cache hits."""
+    if not compiles:
+        return
+    said = [f"{part} {r['outcome']} after {r['seconds']:.1f} s" for part, r in warmers.report().items()] \
+        if warmers is not None else ["none"]
+    log.info("dflash: compile warmers: %s; this run's compiles: FX graph cache %d hits, %d misses; AOTAutograd cache "
+             "%d hits, %d misses", ", ".join(said), caches["fxgraph_cache_hit"], caches["fxgraph_cache_miss"],
+             caches["autograd_cache_hit"], caches["autograd_cache_miss"])
 
 
 @contextlib.contextmanager

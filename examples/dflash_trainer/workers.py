@@ -5,7 +5,9 @@ DrafterReplica on the batches the hand-off routes to it."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -15,35 +17,62 @@ import threadgraph
 from .data import ShardBatches
 from .lead import Lead
 from .run.metrics import PhaseTimes
+from .run.warmers import WarmerWait
 from .drafter.replica import DrafterReplica
 from .channel import ChannelClosed
 from .routing import GradientAverager, Handoff
 from .target_stage import TargetStage
 
+log = logging.getLogger("dflash")
+
 # What a worker blocked on a peer sees when the run stops at a step boundary: not a failure.
 _WOKEN = (ChannelClosed, threading.BrokenBarrierError)
 
 
-def _wait_for_warmer(worker) -> bool:
-    """A worker's first step: wait for its compile warmer (run/warmers.py) with the GIL and the
-    device gate released (other workers go on meanwhile); False when the run stopped meanwhile."""
-    wait, worker._warmed = worker._warmed, None
-    with threadgraph.released():
-        wait()
-    worker.phases.mark("compile_warmer")
-    return not worker.stopping
+class _Worker(threadgraph.CompiledWorkerThread):
+    """What both kinds share: the first step's wait for a compile warmer (run/warmers.py), shown as
+    the worker's activity, which the startup line reports."""
+
+    _warmed: Optional[WarmerWait] = None
+    _waiting: Optional[tuple[str, float]] = None  # what the worker waits for, since when (monotonic)
+    phases: PhaseTimes
+
+    @property
+    def activity(self) -> tuple[str, float]:
+        waiting = self._waiting
+        if waiting is not None:
+            return waiting[0], time.monotonic() - waiting[1]
+        return super().activity
+
+    def _wait_for_warmer(self) -> bool:
+        """Wait for the compile warmer with the GIL and the device gate released (other workers go
+        on meanwhile); False when the run stopped meanwhile."""
+        warmer, self._warmed = self._warmed, None
+        log.info("dflash: %s: waiting for the %s compile warmer (pid %d, log %s)", self.name, warmer.part,
+                 warmer.pid, warmer.log_path)
+        began = time.monotonic()
+        self._waiting = (f"waiting for the {warmer.part} compile warmer (pid {warmer.pid})", began)
+        try:
+            with threadgraph.released():
+                outcome = warmer.wait()
+        finally:
+            self._waiting = None
+        log.info("dflash: %s: waited %.1f s for the %s compile warmer: %s", self.name, time.monotonic() - began,
+                 warmer.part, outcome)
+        self.phases.mark("compile_warmer")
+        return not self.stopping
 
 
-class TargetWorker(threadgraph.CompiledWorkerThread):
+class TargetWorker(_Worker):
     """Global batch b of shard ``index``: host data and anchor draws, the target stage on the
     device, then the hand-off to drafter b % D."""
 
     def __init__(self, index: int, device: str, *, stage: Callable[[torch.device], TargetStage],
-                 batches: ShardBatches, handoff: Handoff, warmed: Optional[Callable[[], None]] = None) -> None:
+                 batches: ShardBatches, handoff: Handoff, warmed: Optional[WarmerWait] = None) -> None:
         super().__init__(device, name=f"target-{index}", warmup_steps=3)
         self._build, self.batches, self.handoff = stage, batches, handoff
         self.phases = PhaseTimes()
-        self._warmed = warmed  # returns once a compile warmer has compiled the step (run/warmers.py)
+        self._warmed = warmed  # the compile warmer that compiles the step first (run/warmers.py)
 
     def setup(self) -> None:
         self.stage = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -54,7 +83,7 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
             return
         self.phases.begin()
         if self._warmed is not None:
-            if not _wait_for_warmer(self):
+            if not self._wait_for_warmer():
                 return
         b, item = self.stage.step(self.batches, mark=self.phases.mark)
         try:
@@ -66,14 +95,14 @@ class TargetWorker(threadgraph.CompiledWorkerThread):
         self.phases.mark("hand_off")
 
 
-class DrafterWorker(threadgraph.CompiledWorkerThread):
+class DrafterWorker(_Worker):
     """One data-parallel replica: its next batch, forward and backward, the gradient average over
     all replicas, the update; replica 0 then runs the lead stages (log, eval, checkpoint)."""
 
     def __init__(self, index: int, device: str, *, replica: Callable[[torch.device], DrafterReplica],
                  handoff: Handoff, averager: GradientAverager, lead: Optional[Lead] = None,
                  example: Optional[Callable[[torch.device], dict]] = None,
-                 warmed: Optional[Callable[[], None]] = None) -> None:
+                 warmed: Optional[WarmerWait] = None) -> None:
         super().__init__(device, name=f"drafter-{index}", warmup_steps=3)
         self.index, self._build, self.handoff, self.averager, self.lead = index, replica, handoff, averager, lead
         self.phases = PhaseTimes()
@@ -82,7 +111,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
         self._updated = averager.updated
         # An example item to compile the step on at the first step, while the targets compile.
         self._example = example
-        self._warmed = warmed  # returns once a compile warmer has compiled the step (run/warmers.py)
+        self._warmed = warmed  # the compile warmer that compiles the step first (run/warmers.py)
 
     def setup(self) -> None:
         self.replica = self._build(self.device)  # WorkerGroup runs setups one at a time
@@ -96,7 +125,7 @@ class DrafterWorker(threadgraph.CompiledWorkerThread):
             return
         self.phases.begin()
         if self._warmed is not None:  # before the lead's first step: a stop meanwhile ends the run at once
-            if not _wait_for_warmer(self):
+            if not self._wait_for_warmer():
                 return
         if self.lead is not None:
             self.lead.before_step()

@@ -1,8 +1,9 @@
-"""What ``train()`` returns: the run's losses, evaluation, placement and per-worker timings.
+"""What ``train()`` returns: the run's losses, evaluation, placement, per-worker timings and compile
+warmers and cache hits.
 
 ``to_json()`` is the ``--json`` line; the GPU tests and the benchmarks read it from subprocesses,
 so its keys and their order are a format: a key that a run has no value for (no step logged, no
-evaluation, no checkpoint) is left out, not written as null, except ``target_report``.
+evaluation, no checkpoint, no compile warmers) is left out, not written as null, except ``target_report``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class RunResult:
     baseline: Optional[dict[str, float]] = None  # tau of a random-init drafter and of repeat-last-token
     eval: Optional[dict[str, Any]] = None  # the last evaluation: tau, steps, accepted_hist
     checkpoint: Optional[str] = None  # the last checkpoint this process saved
+    # Per compile warmer (--compile-warmers): its outcome (done, failed (exit N), timed out, stopped)
+    # and seconds from its start to that; None when the run started none.
+    compile_warmers: Optional[dict[str, dict[str, Any]]] = None
+    # This run's own Inductor FX graph cache and AOTAutograd cache hits and misses (warmers.CACHE_COUNTERS).
+    compile_caches: Optional[dict[str, int]] = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object, keys in the order the entry point has always written them."""
@@ -67,4 +73,6 @@ class RunResult:
             "build_s": self.build_s,
             "workers": {name: dataclasses.asdict(w) for name, w in self.workers.items()},
             "out_dir": self.out_dir,
+            **{k: v for k, v in {"compile_warmers": self.compile_warmers, "compile_caches": self.compile_caches}.items()
+               if v is not None},
         }
