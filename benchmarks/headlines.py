@@ -10,10 +10,18 @@ from results_schema import family, startup_comparable, trainer_runs_of
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}
-# What the threaded 5 target + 3 drafter pipeline was aimed to reach in tokens/s over the sequential
-# colocated loop (benchmarks/README.md, Targets).
+# What the threaded 5 target + 3 drafter pipeline aims at in tokens/s over the sequential loop
+# (benchmarks/README.md, Targets): spread over several GPUs, 1.5x; on one GPU, where both pipelines
+# do the same work on the same device, 0.98x (threading costs at most 2 %).
 TARGET_RATIO = 1.5
+ONE_GPU_TARGET_RATIO = 0.98
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
+
+
+def target_ratio(devices: Optional[str], visible_gpus: Optional[int]) -> float:
+    """The aim of a dflash-throughput run on ``devices`` (its --devices; None: every visible GPU)."""
+    count = len({d.strip() for d in devices.split(",") if d.strip()}) if devices else (visible_gpus or 1)
+    return ONE_GPU_TARGET_RATIO if count <= 1 else TARGET_RATIO
 
 
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
