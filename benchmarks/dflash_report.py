@@ -92,7 +92,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
          sequential.get("drafter_forward_backward_p50_ms", sequential.get("drafter_step_p50_ms")),
          sequential.get("target_fwd_p50_ms"), sequential.get("mode"),
          f"error: {sequential['error']}" if "error" in sequential else
-         (f"median of {len(sequential['windows_tokens_per_s'])} windows of {LOG_EVERY} rounds, "
+         (f"median of {len(sequential['windows_tokens_per_s'])} window(s) of {LOG_EVERY} rounds, "
           f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup, the probes "
           f"after them; " if "windows_tokens_per_s" in sequential else
           f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
@@ -165,6 +165,8 @@ def profile_lines(profiled: dict) -> list[str]:
     if not profiled:
         return []
     if "error" in profiled:
+        if profiled["error"].startswith("not profiled"):
+            return [f"Profiled window: none, {profiled['error']}.", ""]
         return [f"Profiled window: failed ({profiled['error']}).", ""]
     # a share is over the span the device's kernels cover; files without span_ms have shares over the window
     devices = "; ".join(f"cuda:{d} busy {common.fmt(v['busy_share'])} of the {common.fmt(v['span_ms'] / 1000)} s its kernels span"

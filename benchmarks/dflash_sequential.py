@@ -30,7 +30,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     that the lead's training log does. The same replicas, placement, schedule, optimizer steps and
     host syncs as the threads: only the threads go.
 
-    Rounds: warmup (compilation, capture; startup_s ends with it), then the timed rounds, cut into
+    Rounds: warmup (compilation, capture; startup_s ends with it), then the timed rounds, whole
     windows of LOG_EVERY rounds timed on the host as the trainer's log times its tokens/s windows
     (tokens_per_s: their median, as the threaded cell's steady figure is), then the probes, after
     the timed rounds so that no profiler has run before them: PROBE_ROUNDS of the host probe (the
@@ -65,10 +65,13 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
 
     warm_rounds = min(rounds - 1, -(-warmup_batches // len(replicas)))
     probe = max(0, min(PROBE_ROUNDS, (rounds - warm_rounds - 1) // (3 if on_gpu else 2)))
-    timed_end = rounds - probe * (2 if on_gpu else 1)
-    host_end = timed_end + probe
-    # the timed span's window edges: every LOG_EVERY rounds from the end of warmup, and its end
-    edges = sorted({*range(warm_rounds, timed_end, LOG_EVERY), timed_end})
+    probe_start = rounds - probe * (2 if on_gpu else 1)
+    host_end = probe_start + probe
+    # Whole windows of LOG_EVERY rounds from the end of warmup (rounds past the last whole one train
+    # untimed until the probes), as many as fit; one shorter window only when not even one does.
+    whole = (probe_start - warm_rounds) // LOG_EVERY * LOG_EVERY
+    timed_end = warm_rounds + whole if whole else probe_start
+    edges = list(range(warm_rounds, timed_end, LOG_EVERY)) + [timed_end]
     edge_s = []
     fwd_timer, step_timer = common.StepTimer(devices[0]), common.StepTimer(devices[0])
     wall = common.StepTimer(devices[0])
@@ -123,14 +126,15 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         if r in edges:
             if r == timed_end:  # the last window ends when its work has (the trainer's windows end
                 _sync_all(used)  # on the history read's sync, the other windows here too)
+            edge_s.append(time.perf_counter())
+            if r == timed_end:
                 wall.finish()
                 fwd_timer.finish()
                 step_timer.finish()
-            edge_s.append(time.perf_counter())
         if r == host_end and on_gpu and probe:
             busy.start()
         torch.compiler.cudagraph_mark_step_begin()
-        hosted, round_ms = timed_end <= r < host_end, 0.0
+        hosted, round_ms = probe_start <= r < host_end, 0.0
         for d in range(len(replicas)):
             if hosted:
                 _sync_all(used)

@@ -81,9 +81,9 @@ def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     drafter steps; the steady figure is the median of the windows after it, without the last one,
     which holds the pipeline's drain (the targets have stopped feeding; it is reported apart).
     With ``profile_s`` on a GPU, a profile of at most that many seconds (thread_profile.py: each
-    thread's share of the device) runs over the later steady windows (``profile_span``); the windows
-    it overlapped, its export included, never enter the steady figure (the sequential cell's probes
-    likewise run after its timed rounds)."""
+    thread's share of the device) runs over the later steady windows (``profile_span``); no window
+    that ended after it began enters the steady figure, and its export runs once training is over
+    (the sequential cell's probes likewise run after its timed rounds)."""
     from examples.dflash_trainer.train import train
 
     windows, ends = [], []
@@ -110,8 +110,10 @@ def run_threaded(cfg, profile_s: float = 0.0) -> dict:
     steady_ids = list(range(1, len(windows) - 1)) if len(windows) > 2 else list(range(1, len(windows))) or [0]
     overlapped = []
     if profile is not None and profile.started_at is not None:
+        # every window that ended after the profile began: those it covered, and those after it
+        # (a profile that ran out of seconds early leaves CUPTI's cost behind for a while)
+        overlapped = [i for i in steady_ids if ends[i] > profile.started_at]
         ended = profile.ended_at if profile.ended_at is not None else float("inf")
-        overlapped = [i for i in steady_ids if ends[i] > profile.started_at and ends[i - 1] < ended]
         if "error" not in profiled and trained < ended:
             profiled["training_ended_inside"] = True  # the busy shares then count the idle end too
         steady_ids = [i for i in steady_ids if i not in overlapped]
@@ -241,8 +243,9 @@ def parse_args(argv=None):
     two_layers = args.target_shape == "tiny" if args.target_shape else args.assets == "tiny"
     if two_layers and args.num_target_layers_used is None:
         args.num_target_layers_used = 1  # the tiny targets have 2 layers: room for one feature layer
-    if args.steps <= LOG_EVERY:
-        p.error(f"--steps must exceed {LOG_EVERY} (the first window of the trainer's tokens/s counter is warmup)")
+    if args.steps <= LOG_EVERY or args.steps % LOG_EVERY:
+        p.error(f"--steps must be a multiple of {LOG_EVERY} above it, such as 100: the trainer's tokens/s windows are "
+                f"{LOG_EVERY} steps, the first is warmup, and a short last one would leave the drain in a steady one")
     return args
 
 

@@ -20,7 +20,8 @@ RESTART = "on the threaded cell's cache"  # how a sequential startup that is not
 
 def target_ratio(devices: Optional[str], visible_gpus: Optional[int]) -> float:
     """The aim of a dflash-throughput run on ``devices`` (its --devices; None: every visible GPU)."""
-    count = len({d.strip() for d in devices.split(",") if d.strip()}) if devices else (visible_gpus or 1)
+    named = {d.strip() for d in devices.split(",") if d.strip()} if devices else set()
+    count = len({"cuda:0" if d == "cuda" else d for d in named}) if named else (visible_gpus or 1)
     return ONE_GPU_TARGET_RATIO if count <= 1 else TARGET_RATIO
 
 

@@ -8,14 +8,15 @@ driver's ``cuLaunchKernel``).
     probe.start()            # from any thread: the profile runs in a helper thread of its own
     ...                      # the workers go on
     probe.stop()             # optional: ends the window before its seconds are up
-    figures = probe.result() # waits for the window to end; None without a GPU
+    figures = probe.result() # waits for the window to end, then exports and attributes its trace
+                             # in the calling thread (after the measured work); None without a GPU
 
 ``attribute`` turns a Chrome trace (what ``torch.profiler`` exports) into per-device busy time
 (the union of its kernels' intervals) and per-thread figures: kernel time, busy time (the union
 of that thread's kernels), launches and graph launches. A share is busy time over the span the
 trace's device work covers on that device (its first kernel's start to its last kernel's end),
-not over the requested window: the trace holds every kernel that ran until the profiler stopped,
-so the requested window (``window_ms``, kept for information) is shorter than what it measures.
+not over the window: the trace holds every kernel that ran until the profiler stopped, so the
+window (``window_ms``, its start to its stop, kept for information) is shorter than what it measures.
 
 Thread ids: a launch event's ``tid`` is Kineto's id of the launching thread, made of the low 32
 bits of its ``pthread_self()``, which is what CPython's ``threading.get_ident()`` returns on Linux;
@@ -80,7 +81,7 @@ def thread_names(threads: Optional[Iterable] = None) -> dict:
 
 def attribute(trace: dict, names: dict, window_ms: float) -> dict:
     """Per-device and per-thread GPU time of a Chrome trace, and its kernels by name; ``names`` maps
-    trace thread ids (``thread_names``) to names; ``window_ms``, the requested window, is only recorded."""
+    trace thread ids (``thread_names``) to names; ``window_ms``, the window's length, is only recorded."""
     names = {_tid(k): v for k, v in names.items()}
     events = trace.get("traceEvents", [])
     launcher = {}  # correlation id -> (thread id, runtime call name)
@@ -219,6 +220,7 @@ class ThreadProfile:
         self.seconds = seconds
         self._stop = threading.Event()
         self._figures: Optional[dict] = None
+        self._taken: Optional[tuple] = None  # (profiler, thread names, window ms) until result() attributes it
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         # time.perf_counter() when the profile began to cost the workers, and when it stopped
@@ -235,11 +237,11 @@ class ThreadProfile:
 
     def _run(self) -> None:
         try:
-            self._figures = self._window()
+            self._taken = self._window()
         except BaseException as exc:  # reported by result(), to whoever waits
             self._error = exc
 
-    def _window(self) -> Optional[dict]:
+    def _window(self) -> Optional[tuple]:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -249,12 +251,13 @@ class ThreadProfile:
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
         names = thread_names()
+        began = time.perf_counter()
         self._stop.wait(self.seconds)
         names.update(thread_names())  # a thread started inside the window too; an ident reused since, by its latest
+        window_ms = (time.perf_counter() - began) * 1000
         prof.__exit__(None, None, None)
-        figures = attribute(chrome_trace(prof), names, self.seconds * 1000)
-        self.ended_at = time.perf_counter()  # and so do the export and the attribution, which hold the GIL
-        return figures
+        self.ended_at = time.perf_counter()  # and so does stopping the profiler
+        return prof, names, window_ms
 
     def result(self, timeout: float = 600.0) -> Optional[dict]:
         """The window's figures (None without a GPU, or if it never started); raises what it raised."""
@@ -265,6 +268,10 @@ class ThreadProfile:
             raise TimeoutError(f"the profiled window of {self.seconds} s did not end within {timeout} s")
         if self._error is not None:
             raise self._error
+        if self._figures is None and self._taken is not None:
+            # here, in the caller's thread: the export and the attribution hold the GIL for a while
+            prof, names, window_ms = self._taken
+            self._figures, self._taken = attribute(chrome_trace(prof), names, window_ms), None
         return self._figures
 
     def outcome(self) -> Optional[dict]:

@@ -141,8 +141,38 @@ def test_the_threaded_cell_leaves_the_profiled_windows_out_of_its_steady_figure(
     assert result["tokens_per_s"] == pytest.approx(sum(result["windows_tokens_per_s"][1:3]) / 2)
     assert result["thread_profile"] == {"figures": "of the window"}
 
+    # a profile that ran out of seconds at once: the windows after it stay out too
+    monkeypatch.setattr(Window, "start", lambda self: setattr(self, "started_at", time.perf_counter())
+                        or setattr(self, "ended_at", self.started_at))
+    cfg.max_steps, cfg.out_dir = 60, str(tmp_path / "early")
+    early = throughput.run_threaded(cfg, profile_s=3.0)  # steady windows 1-4, the profile from the end of 2
+    assert early["profiled_windows"] == [3, 4] and early["steady_windows"] == 2
+
     cfg.max_steps, cfg.out_dir = 40, str(tmp_path / "short")
     Window.made.clear()
     short = throughput.run_threaded(cfg, profile_s=3.0)
     assert not Window.made and short["profiled_windows"] == [] and short["steady_windows"] == 2
     assert short["thread_profile"]["error"].startswith("not profiled: 40 steps give too few steady windows")
+    assert throughput.dflash_report.profile_lines(short["thread_profile"])[0].startswith(
+        "Profiled window: none, not profiled: 40 steps")
+
+
+def test_the_sequential_loop_takes_the_median_of_whole_windows(tiny_assets, tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("dflash_sequential")
+    cfg = tiny_config(tiny_assets, tmp_path / "sequential")
+    cfg.max_steps = 36  # 2 warmup rounds, then 29 before the 5 probe rounds: 2 whole windows of 10
+    sequential = bench.run_sequential(cfg, warmup_batches=6)
+    windows = sequential["windows_tokens_per_s"]
+    assert len(windows) == 2 and sequential["timed_batches"] == 20 * 3 and sequential["host_probe_rounds"] == 5
+    assert sequential["tokens_per_s"] == pytest.approx(sum(windows) / 2)
+
+
+@pytest.mark.parametrize("steps", ["10", "105"])
+def test_the_throughput_benchmark_takes_whole_windows_of_steps(steps, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    throughput = importlib.import_module("dflash_throughput")
+    with pytest.raises(SystemExit) as exited:
+        throughput.parse_args(["--steps", steps])
+    assert exited.value.code == 2
+    assert "--steps must be a multiple of 10 above it, such as 100" in capsys.readouterr().err

@@ -299,8 +299,6 @@ def test_cpu_ops_carry_native_thread_ids():
 
 
 def test_stop_ends_a_window_before_its_seconds(monkeypatch):
-    import time
-
     import torch
 
     class Profiler:  # CUDA activity needs a GPU; the window's timing does not
@@ -317,9 +315,8 @@ def test_stop_ends_a_window_before_its_seconds(monkeypatch):
     monkeypatch.setattr(torch.profiler, "profile", Profiler)
     monkeypatch.setattr(thread_profile, "chrome_trace", lambda prof: {"traceEvents": []})
     probe = thread_profile.ThreadProfile(120.0)
-    began = time.perf_counter()
     probe.start()
     probe.stop()
-    figures = probe.result(timeout=30)
-    assert time.perf_counter() - began < 30 and figures is not None
+    figures = probe.result(timeout=30)  # raises TimeoutError if the window ran its 120 s
     assert probe.started_at is not None and probe.ended_at is not None
+    assert figures["window_ms"] < 30_000  # the window's own length, not the 120 s asked for
