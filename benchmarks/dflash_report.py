@@ -17,7 +17,7 @@ from typing import Optional
 import common
 from headlines import RESTART, target_ratio
 import results_schema
-from results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable
+from results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable, timed_alike
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 
@@ -94,7 +94,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
          f"error: {sequential['error']}" if "error" in sequential else
          (f"median of {len(sequential['windows_tokens_per_s'])} window(s) of {LOG_EVERY} rounds, "
           f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup, the probes "
-          f"after them; " if "windows_tokens_per_s" in sequential else
+          f"after them; " if timed_alike(sequential) else
           f"{sequential.get('timed_batches')} timed batches after {sequential.get('warmup_batches')} warmup and the "
           f"probes; ") + sequential_training(sequential)
          + ("; drafter step = its forward-backward" if "drafter_forward_backward_p50_ms" in sequential else "")],
@@ -150,7 +150,7 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
 def excluded_profile(threaded: dict, sequential: dict) -> str:
     """What the steady figures say of the profiler: files from before the profile was kept apart
     (no sequential windows) say nothing, as they did."""
-    if "windows_tokens_per_s" not in sequential:
+    if not timed_alike(sequential):
         return ""
     after = "; the sequential probes come after its timed rounds"
     if not threaded.get("thread_profile") or "error" in threaded["thread_profile"]:

@@ -101,6 +101,13 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             if timed:
                 timed_mark("forward_backward")
 
+    def close_timed_span():  # its last window ends when its work has (the trainer's windows end on the
+        _sync_all(used)      # history read's sync, the other windows here too)
+        edge_s.append(time.perf_counter())
+        wall.finish()
+        fwd_timer.finish()
+        step_timer.finish()
+
     def update(r):
         first = replicas[0].grads.buffer
         with _on(devices[0]):
@@ -123,14 +130,10 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
             fwd_timer.discard()
             step_timer.discard()
             wall.begin()
-        if r in edges:
-            if r == timed_end:  # the last window ends when its work has (the trainer's windows end
-                _sync_all(used)  # on the history read's sync, the other windows here too)
+        if r == timed_end:
+            close_timed_span()
+        elif r in edges:
             edge_s.append(time.perf_counter())
-            if r == timed_end:
-                wall.finish()
-                fwd_timer.finish()
-                step_timer.finish()
         if r == host_end and on_gpu and probe:
             busy.start()
         torch.compiler.cudagraph_mark_step_begin()
@@ -152,10 +155,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         probe_kernels = thread_profile.probe_kernels(busy.prof, probe * len(replicas))
     _sync_all(used)
     if timed_end == rounds:  # no probe rounds: the timed span ran to the end
-        wall.finish()
-        fwd_timer.finish()
-        step_timer.finish()
-        edge_s.append(time.perf_counter())
+        close_timed_span()
     round_tokens = len(replicas) * cfg.batch_size * cfg.seq_len
     windows = [(b - a) * round_tokens / (t1 - t0_) for a, b, t0_, t1 in zip(edges, edges[1:], edge_s, edge_s[1:])]
     timed_batches = (timed_end - warm_rounds) * len(replicas)

@@ -39,7 +39,7 @@ import projection  # noqa: E402
 import results_index  # noqa: E402
 import results_schema as schema  # noqa: E402
 from headlines import RESTART, target_ratio  # noqa: E402
-from results_schema import Results, ResultsError, sequential_training, startup_comparable  # noqa: E402
+from results_schema import Results, ResultsError, sequential_training, startup_comparable, timed_alike  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The themes of docs/results.md's other results, in its order, each from its newest file; a scenarios
@@ -63,11 +63,6 @@ def link(results: Results, prefix: str) -> str:
 
 
 # -- the DFlash table -----------------------------------------------------------------------------------
-
-def timed_alike(data: dict) -> bool:
-    """Whether a dflash-throughput run timed its two cells alike (its sequential cell has windows)."""
-    return "windows_tokens_per_s" in (data.get("sequential") or {})
-
 
 def newest_runs(folder: Path, release: str | None = None) -> list[Results]:
     """The newest dflash-throughput run per (torch release, shape, graphs), or of ``release`` only:
@@ -241,9 +236,7 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
         low, high = min(run.data["ratio"] for run in runs), best.data["ratio"]
         aims = [target_ratio((run.data.get("args") or {}).get("devices"), run.data["env"].get("gpus")) for run in runs]
         aim = " and ".join(f"{a}x on {'one GPU' if a < 1 else 'several GPUs'}" for a in sorted(set(aims)))
-        # judged only on runs that timed both sides alike: no profiler before or during either
-        # timed span, a median of windows on both (benchmarks/README.md)
-        met = [run.data["ratio"] >= a for run, a in zip(runs, aims) if timed_alike(run.data)]
+        met = [run.data["ratio"] >= a for run, a in zip(runs, aims) if timed_alike(run.data.get("sequential") or {})]
         verdict = ("not judged: none of these runs timed both sides alike" if not met else
                    ("met" if all(met) else "met by some" if any(met) else "not met")
                    + ("" if len(met) == len(runs) else f" by the {len(met)} timed alike"))

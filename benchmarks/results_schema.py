@@ -41,6 +41,12 @@ def sequential_training(sequential: dict) -> str:
     return "one drafter replica a device, AdamW after every batch, no gradient averaging"
 
 
+def timed_alike(sequential: dict) -> bool:
+    """Whether a dflash-throughput run timed its two cells alike: no profiler before or during either
+    timed span, a median of windows on both; its sequential cell then has ``windows_tokens_per_s``."""
+    return "windows_tokens_per_s" in sequential
+
+
 class ResultsError(ValueError):
     """A results file that breaks the schema: its name, the field and what is wrong."""
 
