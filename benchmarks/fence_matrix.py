@@ -3,11 +3,11 @@
     THREADGRAPH_GPU_LOG=/tmp/fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
     python -m benchmarks fence-matrix /tmp/fence-log
 
-``tests/library/test_gpu_fence.py`` runs each scenario of ``tests/gpu_fence_scenarios.py`` in a
+``tests/library/test_gpu_fence.py`` runs each scenario of ``tests/helpers/gpu_fence_scenarios.py`` in a
 fresh process and asserts on it: every cell of the matrix (a plain thread's eager op class beside
 3 workers' warm-ups and recordings, training and inference) with and without the fence, and
 pytorch#123177's repro run after run, fenced and unfenced. A failure fails those tests; this
-script asserts nothing. With THREADGRAPH_GPU_LOG naming a folder, ``tests/gpu_process.py`` keeps
+script asserts nothing. With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` keeps
 each run's record there; this script turns them into ``fence-matrix_<gpu>_torch<version>_<date>.json``
 (the cells, and the repro's runs by variant; a run that printed no result is kept with its exit
 status) and its ``.md``, which docs/results.md and the README quote.
@@ -25,7 +25,7 @@ import common  # noqa: E402
 import gpu_scenarios_results  # noqa: E402
 import results_schema  # noqa: E402
 
-MODULE = "tests.gpu_fence_scenarios"
+MODULE = "tests.helpers.gpu_fence_scenarios"
 OP_CLASSES = ("rng", "compiled_rng", "sync", "host", "memory")
 KINDS = ("train", "infer")
 VARIANTS = ("fenced", "unfenced")

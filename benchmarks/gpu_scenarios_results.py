@@ -3,9 +3,9 @@
     THREADGRAPH_GPU_LOG=/tmp/gpu-log python -m pytest -m gpu -n 8 --junitxml=/tmp/gpu-log/junit.xml
     python -m benchmarks gpu-scenarios /tmp/gpu-log --label suite
 
-With THREADGRAPH_GPU_LOG naming a folder, ``tests/gpu_process.py`` writes every scenario run's
+With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` writes every scenario run's
 record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
-This script turns the records of ``tests/gpu_scenarios.py``'s scenarios into one phase, named by
+This script turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase, named by
 ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
 (a file of that date gets the phase added; a label it already has is refused), and writes the
 file's ``.md``. The trainer runs of the trainer's GPU tests (``python -m examples.dflash_trainer``)
@@ -33,7 +33,7 @@ import common  # noqa: E402
 import headlines  # noqa: E402
 import results_schema  # noqa: E402
 
-MODULE = "tests.gpu_scenarios"
+MODULE = "tests.helpers.gpu_scenarios"
 TRAINER = "examples.dflash_trainer"
 TRAINER_KEPT = ("mode", "placement", "total_steps", "losses", "tokens_per_s_steady", "startup_s", "build_s")
 OUTCOMES = "pytest_outcomes"
@@ -164,7 +164,7 @@ def trainer_headline(result: dict) -> tuple | None:
 def render(data: dict, env: dict) -> str:
     lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
              "Written by `python -m benchmarks gpu-scenarios` from the records of the GPU tests "
-             "(`tests/gpu_scenarios.py` and the trainer's GPU tests, each run in a fresh process); one section per "
+             "(`tests/helpers/gpu_scenarios.py` and the trainer's GPU tests, each run in a fresh process); one section per "
              "phase, a test run.", ""]
     for label, phase in data.items():
         rows = []

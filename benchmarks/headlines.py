@@ -174,7 +174,7 @@ def conformance(data: dict) -> list:
 
 
 def scenario_headline(scenario: str, result: dict) -> Optional[tuple]:
-    """The headline of a run of tests/gpu_scenarios.py (its record's tag) or None: 8 training workers
+    """The headline of a run of tests/helpers/gpu_scenarios.py (its record's tag) or None: 8 training workers
     on one GPU, or one worker's step by mode; a run that failed says so."""
     many = re.fullmatch(r"many_workers_8_steps_(\d+)", scenario)
     if many:

@@ -1,5 +1,5 @@
 """The launch-bound model of the hazard notes, depth x [Linear, GELU, LayerNorm], shared by the
-benchmarks and the GPU scenarios (``tests/gpu_scenarios.py``)."""
+benchmarks and the GPU scenarios (``tests/helpers/gpu_scenarios.py``)."""
 
 from __future__ import annotations
 

@@ -124,8 +124,8 @@ def test_the_example_benchmarks_and_tools_use_only_the_librarys_public_api():
 
 
 def test_the_public_api_check_finds_a_private_import(tmp_path):
-    (tmp_path / "x.py").write_text("from threadgraph import _stats, install\nimport threadgraph._gate\n")
-    (tmp_path / "y.py").write_text("from threadgraph._fence import outside_captures\nfrom threadgraph import install\n")
+    (tmp_path / "x.py").write_text("from threadgraph import _stats, install\nimport threadgraph._device.gate\n")
+    (tmp_path / "y.py").write_text("from threadgraph._device.fence import outside_captures\nfrom threadgraph import install\n")
     found = library_privates_used([tmp_path / "x.py", tmp_path / "y.py"], root=tmp_path)
-    assert found == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._gate",
-                     "y.py: from threadgraph._fence import outside_captures"]
+    assert found == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._device.gate",
+                     "y.py: from threadgraph._device.fence import outside_captures"]

@@ -140,7 +140,7 @@ print("reduce-overhead replay matches eager")'
     probe() {  # probe NAME ARGS...: one scenario process with an Inductor cache of its own, in the background
       local name=$1; shift
       ( TORCHINDUCTOR_CACHE_DIR="$logs/inductor-$name" timeout --signal=INT --kill-after=30 "${EVIDENCE_STEP_TIMEOUT:-0}" \
-          python3 -X faulthandler -m tests.gpu_drafter_scenarios "$@" >"$logs/$name.log" 2>&1
+          python3 -X faulthandler -m tests.helpers.gpu_drafter_scenarios "$@" >"$logs/$name.log" 2>&1
         echo "== $name: exit $?" >>"$logs/steps.txt" ) &
     }
     for p in main main-install thread threads-3; do probe "$p" "$p" --steps 3; done

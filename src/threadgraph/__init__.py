@@ -17,19 +17,24 @@ Public API (everything else is private and may change):
   without host syncs), for timing a loop of one's own the same way.
 """
 
-from ._errors import (CaptureConflictError, GateTimeout, SettingError, ThreadgraphError, ThreadgraphWarning,
-                      UnsupportedTorchError, WorkerError)
-from ._fence import outside_captures
-from ._gate import check_settings, released
-from ._patches import install, installed, patched, patches, uninstall
-from ._stats import StepStats, StepTimer
-from ._tls import ensure_cudagraph_tls, release_cudagraph_tls
-from ._wholestep import CaptureError, StepGraph, capture_step
-from ._errors import GroupStopped
-from ._group import WorkerGroup
-from ._worker import CompiledWorkerThread
+from importlib.metadata import PackageNotFoundError, version as _distribution_version
 
-__version__ = "0.1.0"
+from threadgraph._errors import (CaptureConflictError, GateTimeout, SettingError, ThreadgraphError, ThreadgraphWarning,
+                      UnsupportedTorchError, WorkerError)
+from threadgraph._device.fence import outside_captures
+from threadgraph._device.gate import check_settings, released
+from threadgraph._patches import install, installed, patched, patches, uninstall
+from threadgraph._workers.stats import StepStats, StepTimer
+from threadgraph._device.tls import ensure_cudagraph_tls, release_cudagraph_tls
+from threadgraph._workers.wholestep import CaptureError, StepGraph, capture_step
+from threadgraph._errors import GroupStopped
+from threadgraph._workers.group import WorkerGroup
+from threadgraph._workers.worker import CompiledWorkerThread
+
+try:
+    __version__ = _distribution_version("threadgraph")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CaptureConflictError",

@@ -7,13 +7,15 @@ import argparse
 import json
 import sys
 
-from ._doctor import format_report, report, write_hazards
-from ._errors import SettingError
-from ._gate import check_settings
+from threadgraph._diagnostics.doctor import format_report, report, write_hazards
+from threadgraph import __version__
+from threadgraph._errors import SettingError
+from threadgraph._device.gate import check_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="threadgraph", description="threadgraph: CUDA graphs in worker threads")
+    parser.add_argument("--version", action="version", version=f"threadgraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="torch/CUDA versions, hazards present, patches; --selftest runs GPU checks")
     doctor.add_argument("--selftest", action="store_true", help="train and infer with reduce-overhead in worker threads on the GPU")
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(problem, file=sys.stderr)
                 return 2
             return 0
-        from ._hazards_page import markdown
+        from threadgraph._diagnostics.hazards_page import markdown
 
         sys.stdout.write(markdown())
         return 0
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info | {"selftest": message}) if args.json else format_report(info) + "\n\n" + message)
         return 2
     if args.selftest:
-        from ._selftest import run_all
+        from threadgraph._diagnostics.selftest import run_all
 
         info["selftest"] = run_all()
     if args.json:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._errors import UnsupportedTorchError
+from threadgraph._errors import UnsupportedTorchError
 
 # (import path, attribute) pairs threadgraph reads directly; a missing one is reported by name.
 # The symbols its patches replace are not listed: the registry checks each patch's own targets.

@@ -265,8 +265,8 @@ def test_gil_profile_keys_samples_by_what_the_worker_step_called():
     _require_trainer()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     gil_profile = importlib.import_module("gil_profile")
-    outer = ["_bootstrap (/usr/lib/threading.py:1002)", "run (/r/src/threadgraph/_worker.py:150)",
-             "_loop (/r/src/threadgraph/_worker.py:185)", "DrafterWorker.step (/r/examples/dflash_trainer/workers.py:70)"]
+    outer = ["_bootstrap (/usr/lib/threading.py:1002)", "run (/r/src/threadgraph/_workers/worker.py:150)",
+             "_loop (/r/src/threadgraph/_workers/worker.py:185)", "DrafterWorker.step (/r/examples/dflash_trainer/workers.py:70)"]
     # The optimizer's step() inside the replica's update is not the worker's step.
     assert gil_profile.step_stage(outer + ["DrafterReplica.update (/r/replica.py:60)", "step (/t/adamw.py:9)"]) \
         == "DrafterReplica.update"

@@ -1,4 +1,4 @@
-"""python -m benchmarks fence-matrix DIR: the fence GPU tests' records (tests/gpu_process.py, with
+"""python -m benchmarks fence-matrix DIR: the fence GPU tests' records (tests/helpers/gpu_process.py, with
 THREADGRAPH_GPU_LOG) become the fence-matrix results file, cells in matrix order and the repro's
 runs by variant; a run that printed no result is kept with its exit status; the headlines count it."""
 
@@ -19,7 +19,7 @@ NOON = 1764590400  # 2025-12-01 12:00 UTC
 WHO = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}
 
 
-def record(folder, tag, args, result=None, rc=0, module="tests.gpu_fence_scenarios"):
+def record(folder, tag, args, result=None, rc=0, module="tests.helpers.gpu_fence_scenarios"):
     path = folder / f"{tag}.json"
     path.write_text(json.dumps({"tag": tag, "args": ["-m", module, *args], "rc": rc, "seconds": 9.0,
                                 "result": result, "last_stderr_line": None if rc == 0 else "RuntimeError: CUDA error"}))
@@ -52,7 +52,7 @@ def log(tmp_path):
                repro(0))
     record(folder, "repro_123177_threads_32_unfenced_run_1", ["repro_123177", "--threads", "32", "--variant", "unfenced"],
            repro(7))
-    record(folder, "many_workers_8_steps_200", ["many"], {"gpu": "other"}, module="tests.gpu_scenarios")  # not the fence's
+    record(folder, "many_workers_8_steps_200", ["many"], {"gpu": "other"}, module="tests.helpers.gpu_scenarios")  # not the fence's
     return folder
 
 
@@ -77,7 +77,7 @@ def test_a_test_runs_records_become_the_fence_matrix_file(log, tmp_path):
 def test_a_folder_without_fence_records_or_of_two_torches_is_refused(tmp_path, log):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="no records of tests.gpu_fence_scenarios runs"):
+    with pytest.raises(SystemExit, match="no records of tests.helpers.gpu_fence_scenarios runs"):
         fence_matrix.collect(empty, tmp_path)
     record(log, "matrix_ops_memory_kind_train", ["matrix", "--ops", "memory", "--kind", "train"],
            dict(cell("memory", "train", "fenced"), torch="2.12.0"))

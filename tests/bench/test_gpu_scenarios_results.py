@@ -1,4 +1,4 @@
-"""benchmarks/gpu_scenarios_results.py: the GPU tests' scenario records (tests/gpu_process.py, with
+"""benchmarks/gpu_scenarios_results.py: the GPU tests' scenario records (tests/helpers/gpu_process.py, with
 THREADGRAPH_GPU_LOG) become a phase of the day's gpu-scenarios results file, its .md and its index
 headlines; failures are kept, not dropped; a folder of no records or of two runs is refused."""
 
@@ -32,10 +32,10 @@ def record(folder: Path, tag: str, args: list, rc: int = 0, result=None, when: f
 
 def suite(folder: Path) -> Path:
     folder.mkdir()
-    record(folder, "many_workers_8_steps_200", ["-m", "tests.gpu_scenarios", "many", "--workers", "8", "--steps", "200"],
+    record(folder, "many_workers_8_steps_200", ["-m", "tests.helpers.gpu_scenarios", "many", "--workers", "8", "--steps", "200"],
            result=MANY)
-    record(folder, "whole_step_steps_200", ["-m", "tests.gpu_scenarios", "whole_step", "--steps", "200"], rc=1)
-    record(folder, "repro_123177_threads_32", ["-m", "tests.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
+    record(folder, "whole_step_steps_200", ["-m", "tests.helpers.gpu_scenarios", "whole_step", "--steps", "200"], rc=1)
+    record(folder, "repro_123177_threads_32", ["-m", "tests.helpers.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
            result={"gpu": "NVIDIA H200", "torch": "2.12.0"})  # the fence's own benchmark keeps these
     (folder / "junit.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
@@ -89,11 +89,11 @@ def test_a_second_run_adds_a_phase_and_a_label_it_has_is_refused(tmp_path):
 def test_folders_of_no_records_corrupt_records_or_two_runs_are_refused(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(collector.NoRecords, match="no records of tests.gpu_scenarios or examples.dflash_trainer runs"):
+    with pytest.raises(collector.NoRecords, match="no records of tests.helpers.gpu_scenarios or examples.dflash_trainer runs"):
         collector.collect(empty, "suite", tmp_path)
     two = suite(tmp_path / "two")
     other = dict(MANY, torch="2.12.0+cu130")
-    record(two, "many_workers_3_steps_200", ["-m", "tests.gpu_scenarios", "many", "--workers", "3"], result=other)
+    record(two, "many_workers_3_steps_200", ["-m", "tests.helpers.gpu_scenarios", "many", "--workers", "3"], result=other)
     with pytest.raises(SystemExit, match="the records name 2 GPU / torch pairs"):
         collector.collect(two, "suite", tmp_path)
     (two / "broken.json").write_text("{")

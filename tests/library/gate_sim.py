@@ -6,7 +6,7 @@ import queue
 import threading
 import time
 
-from threadgraph._gate import gate_for
+from threadgraph._device.gate import gate_for
 
 COMPILE_LOCK = threading.RLock()  # stands for Dynamo's process-wide compile_lock
 _names = itertools.count()

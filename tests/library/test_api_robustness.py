@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import threadgraph
-from threadgraph import _compat, _doctor, _gate, _patches
+from threadgraph import _compat, _patches
+from threadgraph._diagnostics import doctor as _doctor
+from threadgraph._device import gate as _gate
 
 ROOT = Path(__file__).resolve().parents[2]
 trees = _compat.cudagraph_trees()

@@ -9,9 +9,9 @@ import pytest
 
 from tests.library.gate_sim import fresh_gate
 from threadgraph import GateTimeout
-from threadgraph._capture_lock import CaptureLock
-from threadgraph._gate_wrappers import exclusive
-from tests.threads import until
+from threadgraph._patches.capture_lock import CaptureLock
+from threadgraph._patches.gate_wrappers import exclusive
+from tests.helpers.threads import until
 
 
 def _threads(*targets):
@@ -79,7 +79,7 @@ def _setup_while_a_warmup_holds_the_lock(lock_first, monkeypatch):
     trees = importlib.import_module("torch._inductor.cudagraph_trees")
     monkeypatch.setattr(trees, "graph_capture_lock", lock, raising=False)
     index = int(gate.device.split(":")[1])
-    monkeypatch.setattr("threadgraph._gate_wrappers.gate_for", lambda device: gate)
+    monkeypatch.setattr("threadgraph._patches.gate_wrappers.gate_for", lambda device: gate)
     in_lock, setup_done = threading.Event(), threading.Event()
 
     def upstream_init(device_index):

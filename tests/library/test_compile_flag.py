@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import threadgraph
-from threadgraph import _compat, _hazards, _patches
+from threadgraph import _compat, _patches
+from threadgraph._diagnostics import hazards as _hazards
 
 GLOBAL_FLAG = _compat.compile_session_flag_is_global()
 needs_global_flag = pytest.mark.skipif(not GLOBAL_FLAG, reason=f"torch {torch.__version__} has no process-wide compile session flag")

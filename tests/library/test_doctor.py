@@ -45,7 +45,7 @@ def test_selftest_flag_is_documented():
 
 def test_doctor_warns_once_on_a_torch_newer_than_the_newest_verified(monkeypatch):
     from threadgraph import _compat
-    from threadgraph._doctor import format_report, report
+    from threadgraph._diagnostics.doctor import format_report, report
 
     monkeypatch.setattr(torch, "__version__", "2.16.0.dev20270101+cu140")
     info = report()
@@ -69,7 +69,7 @@ def test_newer_than_verified_compares_the_release_numbers(version, newer):
 
 
 def test_a_failed_selftest_check_reports_its_last_stderr_line_as_text(monkeypatch):
-    from threadgraph import _selftest
+    from threadgraph._diagnostics import selftest as _selftest
 
     outcomes = iter([subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: capture failed\n"),
                      subprocess.CompletedProcess([], -9, "", "")])

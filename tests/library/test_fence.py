@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import threadgraph
-from threadgraph import _fence
-from threadgraph._gate import gate_for, released
+from threadgraph._device import fence as _fence
+from threadgraph._device.gate import gate_for, released
 
-from tests.threads import until
+from tests.helpers.threads import until
 
 # How long a capture holds the gate when the op under test should wait for it: a fenced op that
 # waits passes whatever the machine's speed; the hold is the window in which an op that does not

@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from threadgraph._gate import fenced, released
+from threadgraph._device.gate import fenced, released
 
 from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_gate
 

@@ -11,7 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import threadgraph
-from threadgraph import CompiledWorkerThread, WorkerGroup, _first_call
+from threadgraph import CompiledWorkerThread, WorkerGroup
+from threadgraph._patches import first_call as _first_call
 
 WORKERS = 3
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import threadgraph
-from threadgraph import _compat, _hazards, _patches
+from threadgraph import _compat, _patches
+from threadgraph._diagnostics import hazards as _hazards
 
 FX_PATCHES = frozenset({"fx_trace_marks_thread", "fx_symbolic_tracing_per_thread", "fx_tracing_per_thread"})
 # fx_trace_window would hold the call back until the trace ends (test_fx_window.py): these tests need it during one.
@@ -82,7 +83,7 @@ def test_install_patches_a_global_flag_and_leaves_a_per_thread_one_alone(clean_s
 
 
 def test_doctor_says_whether_the_hazard_is_present_and_which_fx_patches_are_needed(clean_shim):
-    from threadgraph._doctor import format_report, report
+    from threadgraph._diagnostics.doctor import format_report, report
 
     hazard = _hazards.get("global-fx-tracing-flag")
     assert hazard.status() == ("present" if GLOBAL_FLAG else "absent")

@@ -20,10 +20,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import threadgraph
-from threadgraph import _first_call, _fx_window
-from threadgraph._gate import gate_for
+from threadgraph._patches import first_call as _first_call
+from threadgraph._patches import fx_window as _fx_window
+from threadgraph._device.gate import gate_for
 
-from tests.threads import ParkedTrace
+from tests.helpers.threads import ParkedTrace
 
 _new_patcher = torch.fx._symbolic_trace._new_patcher  # the original, before any install()
 
@@ -182,7 +183,7 @@ def test_a_trace_that_outlasts_the_timeout_lets_the_call_go_on_with_a_warning(sh
 def test_a_call_that_reaches_a_resume_frame_during_the_trace_runs_it_uncompiled_once(shim, monkeypatch, fallback):
     threadgraph.install()
     if not fallback:  # what the wait alone gives: the piece compiles again once the trace ends
-        monkeypatch.setattr(threadgraph._frame_cache, "run_uncompiled_once", lambda: None)
+        monkeypatch.setattr(threadgraph._patches.frame_cache, "run_uncompiled_once", lambda: None)
     layer, reached, resume, parked = Layer(4, 4), threading.Event(), threading.Event(), {"on": False}
 
     @torch._dynamo.disable
@@ -331,7 +332,7 @@ def test_an_older_entry_of_the_code_counts_as_cached_code_that_fits(shim):
 
 RESET_DURING_A_WAIT = textwrap.dedent("""
     import gc, threading, time, torch, threadgraph
-    from threadgraph import _fx_window
+    from threadgraph._patches import fx_window as _fx_window
     from test_fx_window import Layer, ParkedTrace
     threadgraph.install()
     layer = torch.nn.Sequential(Layer(4, 4), torch.nn.ReLU())
@@ -360,7 +361,7 @@ RESET_DURING_A_WAIT = textwrap.dedent("""
 # as many entries as before, none of them the ones the waiter was handed.
 RESET_AND_RECOMPILE = RESET_DURING_A_WAIT.replace("threadgraph.install()\n", textwrap.dedent("""\
     threadgraph.install()
-    from threadgraph import _frame_cache
+    from threadgraph._patches import frame_cache as _frame_cache
     woke, recompiled, run_uncompiled_once = threading.Event(), threading.Event(), _frame_cache.run_uncompiled_once
     def late():  # the waiter, woken, pauses here until the main thread compiled the code again
         if threading.current_thread().name == "caller":
@@ -378,7 +379,7 @@ RESET_AND_RECOMPILE = RESET_DURING_A_WAIT.replace("threadgraph.install()\n", tex
 
 def _run_script(script: str) -> subprocess.CompletedProcess:
     here = Path(__file__).resolve().parent
-    paths = [str(here.parents[1] / "src"), str(here.parents[1]), str(here)]  # threadgraph, tests.threads, this module
+    paths = [str(here.parents[1] / "src"), str(here.parents[1]), str(here)]  # threadgraph, tests.helpers.threads, this module
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=here,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)))
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import threadgraph
-from threadgraph import _fx_window
-from threadgraph._gate import gate_for
+from threadgraph._patches import fx_window as _fx_window
+from threadgraph._device.gate import gate_for
 
-from tests.threads import ParkedTrace
+from tests.helpers.threads import ParkedTrace
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import threadgraph
-from threadgraph._gate import DeviceGate, gate_for, released
+from threadgraph._device.gate import DeviceGate, gate_for, released
 
 from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_gate
-from tests.threads import until
+from tests.helpers.threads import until
 
 
 def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):

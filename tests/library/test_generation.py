@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import threadgraph
 import torch
-from threadgraph import _compat, _tls
+from threadgraph import _compat
+from threadgraph._device import tls as _tls
 
 trees = _compat.cudagraph_trees()
 Manager = trees.CUDAGraphTreeManager

@@ -1,11 +1,11 @@
-"""GPU tests: each scenario of tests/gpu_scenarios.py in a fresh process (tests/gpu_process.py)."""
+"""GPU tests: each scenario of tests/helpers/gpu_scenarios.py in a fresh process (tests/helpers/gpu_process.py)."""
 
 import os
 
 import pytest
 import torch
 
-from tests.gpu_process import scenario
+from tests.helpers.gpu_process import scenario
 
 pytestmark = pytest.mark.gpu
 STEPS = int(os.environ.get("THREADGRAPH_GPU_STEPS", "200"))

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 import threadgraph
-from threadgraph import _compat, _hazards, _hazards_page
+from threadgraph import _compat
+from threadgraph._diagnostics import hazards as _hazards
+from threadgraph._diagnostics import hazards_page as _hazards_page
 from threadgraph._patches import PATCHES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

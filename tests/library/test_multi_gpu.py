@@ -1,11 +1,11 @@
-"""Scenarios that need two or more GPUs (tests/gpu_scenarios.py, each in a fresh process).
+"""Scenarios that need two or more GPUs (tests/helpers/gpu_scenarios.py, each in a fresh process).
 The trainer's two-GPU test is in tests/trainer/test_gpu_trainer.py; the channel's in test_dflash_channel.py."""
 
 import os
 
 import pytest
 
-from tests.gpu_process import scenario
+from tests.helpers.gpu_process import scenario
 
 pytestmark = pytest.mark.multi_gpu
 STEPS = int(os.environ.get("THREADGRAPH_GPU_STEPS", "200"))

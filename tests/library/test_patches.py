@@ -7,7 +7,7 @@ import torch
 import threadgraph
 from threadgraph import _compat
 
-from tests.threads import run_in_thread
+from tests.helpers.threads import run_in_thread
 
 trees = _compat.cudagraph_trees()
 
@@ -134,7 +134,7 @@ def test_shim_restores_function_on_simulated_old_torch(old_torch):
 
 
 def test_lazy_tls_is_applied_exactly_where_get_obj_asserts_and_doctor_says_which(clean_patches):
-    from threadgraph._doctor import format_report, report
+    from threadgraph._diagnostics.doctor import format_report, report
 
     asserts = _compat.get_obj_asserts()  # the simulated tests above cover the asserting side too
     if not asserts:  # no hazard: a plain thread gets a container of its own with nothing patched

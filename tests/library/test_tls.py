@@ -4,9 +4,10 @@ import threading
 import torch
 
 import threadgraph
-from threadgraph import _compat, _tls
+from threadgraph import _compat
+from threadgraph._device import tls as _tls
 
-from tests.threads import run_in_thread
+from tests.helpers.threads import run_in_thread
 
 trees = _compat.cudagraph_trees()
 

@@ -234,7 +234,7 @@ def test_each_worker_has_its_own_generation_state():
 
     class Marker(Counter):
         def step(self):
-            seen.setdefault(self.name, []).append(threadgraph._tls.current_worker())
+            seen.setdefault(self.name, []).append(threadgraph._device.tls.current_worker())
 
     workers = [Marker(name=f"m{i}", max_steps=3) for i in range(2)]
     with WorkerGroup(workers):

@@ -44,7 +44,7 @@ def test_join_returns_after_the_os_threads_are_gone():
 
 @pytest.mark.skipif(not threadgraph._compat.has_remove_obj_from_tls(), reason="this torch cannot remove stash entries")
 def test_release_cudagraph_tls_empties_the_threads_stash():
-    from threadgraph import _tls
+    from threadgraph._device import tls as _tls
 
     seen = {}
 

@@ -11,7 +11,7 @@ from examples.dflash_trainer.drafter.step import make_step_fn
 from examples.dflash_trainer.pipeline import Pipeline
 from examples.dflash_trainer.train import train
 
-from tests.trainer.tiny_run import tiny_config
+from tests.helpers.tiny_run import tiny_config
 
 pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")

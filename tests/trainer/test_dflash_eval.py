@@ -5,7 +5,7 @@ import torch
 
 from examples.dflash_trainer.eval import acceptance_length, repeat_last_token
 from examples.dflash_trainer.drafter.model import DFlashDrafter
-from tests.trainer.tiny_run import tiny_target
+from tests.helpers.tiny_run import tiny_target
 
 MASK, BS = 299, 4
 

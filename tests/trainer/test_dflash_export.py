@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.export_fixtures import load_heads, make_checkpoint, make_random_target
-from tests.trainer import tiny_run
+from tests.helpers.export_fixtures import load_heads, make_checkpoint, make_random_target
+from tests.helpers import tiny_run
 
 from examples.dflash_trainer.run.checkpoint import WEIGHTS
 from examples.dflash_trainer.export.export import export, main

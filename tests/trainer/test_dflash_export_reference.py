@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("speculators", reason="needs speculators 0.9.0: run bash tests/export_reference/run.sh")
 
-from tests.export_fixtures import make_checkpoint, make_random_target  # noqa: E402
+from tests.helpers.export_fixtures import make_checkpoint, make_random_target  # noqa: E402
 
 from examples.dflash_trainer.export.export import export  # noqa: E402
 from examples.dflash_trainer.drafter.loss import block_positions, build_blocks, dflash_attention_mask  # noqa: E402

@@ -20,7 +20,7 @@ from examples.dflash_trainer.assets.assets import BuildSpec, CacheDirError, defa
 from examples.dflash_trainer.data import read_jsonl, tokenize_lines
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, InputError, MissingInput
 from examples.dflash_trainer.target import TargetModel
-from tests.trainer.tiny_run import tiny_cli
+from tests.helpers.tiny_run import tiny_cli
 
 
 @pytest.fixture

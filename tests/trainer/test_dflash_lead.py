@@ -9,7 +9,7 @@ import torch
 
 from examples.dflash_trainer.drafter.model import DFlashDrafter
 from examples.dflash_trainer.lead import BaselineEvaluation
-from tests.trainer.tiny_run import tiny_target
+from tests.helpers.tiny_run import tiny_target
 
 VOCAB, MASK = 300, 299
 

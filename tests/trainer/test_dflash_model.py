@@ -9,7 +9,7 @@ from examples.dflash_trainer.drafter.loss import (block_positions, build_blocks,
                                           dflash_loss, labels_and_weights, sample_anchors)
 from examples.dflash_trainer.drafter.model import DFlashDrafter, target_layer_ids
 from examples.dflash_trainer.target import TargetModel, choose_mask_token_id
-from tests.trainer.tiny_run import tiny_target
+from tests.helpers.tiny_run import tiny_target
 
 VOCAB, MASK = 300, 299
 

@@ -18,7 +18,7 @@ from examples.dflash_trainer.errors import MissingInput
 from examples.dflash_trainer.run.outdir import OutDirError, RunLock
 from examples.dflash_trainer.train import train
 
-from tests.trainer.tiny_run import tiny_cli, tiny_config
+from tests.helpers.tiny_run import tiny_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

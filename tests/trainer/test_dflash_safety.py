@@ -23,8 +23,8 @@ from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.run.outdir import OutDirError
 from examples.dflash_trainer.train import train
 
-from tests.trainer import tiny_run
-from tests.trainer.tiny_run import tiny_cli as cli_args
+from tests.helpers import tiny_run
+from tests.helpers.tiny_run import tiny_cli as cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4

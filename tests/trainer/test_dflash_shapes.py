@@ -13,7 +13,7 @@ from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.assets import shapes as shapes_module
 from examples.dflash_trainer.assets.shapes import RANDOM_WEIGHTS_WARNING, SHAPES, NoRoomToBuild, qwen3_config, shape_target
 from examples.dflash_trainer.train import train
-from tests.trainer.tiny_run import TINY
+from tests.helpers.tiny_run import TINY
 
 VOCAB = {"vocab_size": 2048, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the embedded target's
 # The model cards' non-embedding parameter counts (Qwen/Qwen3-*), and their config.json values.

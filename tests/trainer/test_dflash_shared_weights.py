@@ -13,7 +13,7 @@ from examples.dflash_trainer.pipeline import Pipeline
 from examples.dflash_trainer.placement import available_devices, place
 from examples.dflash_trainer.routing import GradientAverager
 
-from tests.trainer.tiny_run import tiny_config
+from tests.helpers.tiny_run import tiny_config
 
 pytestmark = pytest.mark.timeout(300)
 CPU = torch.device("cpu")

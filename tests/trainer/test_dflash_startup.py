@@ -12,11 +12,11 @@ from examples.dflash_trainer.drafter import step
 from examples.dflash_trainer.run.startup import StartupMonitor, describe, snapshot
 from examples.dflash_trainer.target import TargetSource
 from examples.dflash_trainer.train import train
-from tests.threads import until
-from tests.trainer.tiny_run import tiny_config
+from tests.helpers.threads import until
+from tests.helpers.tiny_run import tiny_config
 
 import threadgraph
-from threadgraph import _first_call
+from threadgraph._patches import first_call as _first_call
 
 
 def _inner_code(factory, name):

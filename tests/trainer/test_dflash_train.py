@@ -17,7 +17,7 @@ from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.drafter.grads import FlatGrads
 from examples.dflash_trainer.routing import GradientAverager
 from examples.dflash_trainer.train import train
-from tests.trainer.tiny_run import tiny_cli, tiny_config
+from tests.helpers.tiny_run import tiny_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,7 +215,7 @@ def _trees_like_backend():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from threadgraph._gate import gate_for
+    from threadgraph._device.gate import gate_for
 
     def compiler(gm, example_inputs):
         calls = [0]
@@ -238,8 +238,8 @@ def test_compiled_gated_pipeline_finishes_like_the_eager_one(tiny_assets, tmp_pa
     gate inside compiled calls. On an H200 this layout stalled behind queued compiles."""
     import threadgraph
     from examples.dflash_trainer.policy import ExecutionPolicy
-    from threadgraph import _worker
-    from threadgraph._gate import gate_for
+    from threadgraph._workers import worker as _worker
+    from threadgraph._device.gate import gate_for
 
     backend = _trees_like_backend()
     monkeypatch.setattr(_worker.CompiledWorkerThread, "gate", lambda self: gate_for(str(self.device)).shared())

@@ -22,7 +22,7 @@ from examples.dflash_trainer.run.warmers import CompileWarmers, WarmerWait
 from examples.dflash_trainer.train import train
 from examples.dflash_trainer.workers import TargetWorker
 
-from tests.trainer.tiny_run import tiny_config
+from tests.helpers.tiny_run import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)

@@ -1,5 +1,5 @@
 """GPU tests of the DFlash trainer (and the resume procedure on the CPU): every run is
-``python -m examples.dflash_trainer ... --json`` in a fresh process (tests/gpu_process.py), on the
+``python -m examples.dflash_trainer ... --json`` in a fresh process (tests/helpers/gpu_process.py), on the
 embedded default assets (``$THREADGRAPH_CACHE`` holds them; a missing cache is built first, a
 minute or two on 16 cores).
 
@@ -19,7 +19,7 @@ import pytest
 
 from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
-from tests.gpu_process import run_json, run_logged
+from tests.helpers.gpu_process import run_json, run_logged
 
 ONE_GPU = ["--devices", "cuda:0"]  # all 8 workers (5 target + 3 drafter threads) on one GPU
 # Two runs of the same training (resumed or not, one GPU or two): 6x the run-to-run noise and

@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from ._errors import GroupStopped, WorkerError
-from ._gate import released
-from ._tls import wait_for_thread_exit
-from ._worker import CompiledWorkerThread, add_note, wait_stopped
+from threadgraph._errors import GroupStopped, WorkerError
+from threadgraph._device.gate import released
+from threadgraph._device.tls import wait_for_thread_exit
+from threadgraph._workers.worker import CompiledWorkerThread, add_note, wait_stopped
 
 log = logging.getLogger("threadgraph")
 

@@ -44,8 +44,8 @@ import time
 import traceback
 from typing import Iterator
 
-from ._errors import GateTimeout, SettingError
-from ._per_thread import ThreadCount
+from threadgraph._errors import GateTimeout, SettingError
+from threadgraph._per_thread import ThreadCount
 
 log = logging.getLogger("threadgraph")
 TIMEOUT_ENV = "THREADGRAPH_GATE_TIMEOUT"

@@ -1,7 +1,7 @@
 """GPU scenarios for the eager fence, each meant to run in a fresh process.
 
-    python -m tests.gpu_fence_scenarios repro_123177 [--threads 32] [--variant fenced|unfenced]
-    python -m tests.gpu_fence_scenarios matrix --ops rng|compiled_rng|sync|host|memory --kind train|infer
+    python -m tests.helpers.gpu_fence_scenarios repro_123177 [--threads 32] [--variant fenced|unfenced]
+    python -m tests.helpers.gpu_fence_scenarios matrix --ops rng|compiled_rng|sync|host|memory --kind train|infer
                                               [--variant fenced|unfenced]
 
 Every scenario prints one JSON object as its last line. ``tests/library/test_gpu_fence.py`` runs them in
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import threadgraph
-from threadgraph._gate import gate_for
+from threadgraph._device.gate import gate_for
 from threadgraph._patches import FENCE_PATCHES
-from threadgraph._tls import current_worker
+from threadgraph._device.tls import current_worker
 
 
 def _install(variant: str) -> None:

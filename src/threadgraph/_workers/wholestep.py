@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._compat import copy_all_
-from ._errors import ThreadgraphError, ThreadgraphWarning
-from ._fx_window import windows_held_off
-from ._gate import gate_for
+from threadgraph._compat import copy_all_
+from threadgraph._errors import ThreadgraphError, ThreadgraphWarning
+from threadgraph._patches.fx_window import windows_held_off
+from threadgraph._device.gate import gate_for
 
 log = logging.getLogger("threadgraph")
 

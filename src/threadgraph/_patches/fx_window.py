@@ -42,9 +42,9 @@ import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator
 
-from . import _frame_cache
-from ._gate import DEFAULT_TIMEOUT_S, in_exclusive_section, released
-from ._tls import current_worker, doing
+from threadgraph._patches import frame_cache as _frame_cache
+from threadgraph._device.gate import DEFAULT_TIMEOUT_S, in_exclusive_section, released
+from threadgraph._device.tls import current_worker, doing
 
 log = logging.getLogger("threadgraph")
 

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from ._hazards import HAZARDS, READ_RELEASES, RUN_CPU, RUN_GPU, SIMULATED
+from threadgraph._diagnostics.hazards import HAZARDS, READ_RELEASES, RUN_CPU, RUN_GPU, SIMULATED
 
 
 def markdown() -> str:
     """``docs/hazards.md``: the catalogue and every patch's record. Independent of the installed
     torch (no detection results), so the committed page can be compared with a fresh render."""
-    from ._patches import PATCHES
+    from threadgraph._patches import PATCHES
 
     lines = [
         "# Hazards",

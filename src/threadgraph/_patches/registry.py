@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import wrapt
 
-from . import _compat
+from threadgraph import _compat
 
 log = logging.getLogger("threadgraph")
 

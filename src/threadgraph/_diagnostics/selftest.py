@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from ._group import WorkerGroup
-from ._worker import CompiledWorkerThread
+from threadgraph._workers.group import WorkerGroup
+from threadgraph._workers.worker import CompiledWorkerThread
 
 WIDTH, DEPTH, BATCH, STEPS = 256, 8, 16, 60
 
@@ -92,7 +92,7 @@ def _reference(kind: str) -> torch.Tensor:
 
 def check(kind: str) -> dict:
     """Run one check in this process; returns a JSON-able verdict."""
-    from ._patches import install
+    from threadgraph._patches import install
 
     # Before anything compiles: a graph compiled before install() keeps upstream's binding to
     # the compiling thread's tree manager (the reference below compiles the same code).

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _compat
+from threadgraph import _compat
 
 TREE_TLS_KEYS = ("tree_manager_containers", "tree_manager_locks")
 EXIT_WAIT_S = 5.0  # how long interpreter exit waits, all together, for finished threads' OS threads

@@ -11,9 +11,15 @@ import contextlib
 import time
 from typing import Any, Callable
 
-from . import _capture_lock, _fence, _first_call, _fx_window
-from ._gate import gate_for, released
-from ._tls import current_worker, doing
+from threadgraph._patches import capture_lock as _capture_lock
+
+from threadgraph._device import fence as _fence
+
+from threadgraph._patches import first_call as _first_call
+
+from threadgraph._patches import fx_window as _fx_window
+from threadgraph._device.gate import gate_for, released
+from threadgraph._device.tls import current_worker, doing
 
 
 def _device_of(instance: Any, args: tuple, kwargs: dict) -> str:

@@ -7,9 +7,12 @@ import threading
 
 import torch
 
-from . import _compat, _hazards
-from ._errors import UnsupportedTorchError
-from ._patches import patches
+import threadgraph
+from threadgraph import _compat
+
+from threadgraph._diagnostics import hazards as _hazards
+from threadgraph._errors import UnsupportedTorchError
+from threadgraph._patches import patches
 
 _STATUS = {"present": "[x]", "absent": "[ ]", "assumed": "[?]"}
 
@@ -22,6 +25,7 @@ def report() -> dict:
     except UnsupportedTorchError as exc:  # the detection needs a symbol this torch lacks: say so, go on
         hazards, hazards_error = [], str(exc)
     return {
+        "threadgraph": threadgraph.__version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_build": torch.version.cuda,
@@ -38,7 +42,7 @@ def report() -> dict:
 
 
 def format_report(info: dict) -> str:
-    lines = [f"python {info['python']}, torch {info['torch']} (CUDA build: {info['cuda_build']})"]
+    lines = [f"threadgraph {info['threadgraph']}, python {info['python']}, torch {info['torch']} (CUDA build: {info['cuda_build']})"]
     if info["newer_than_verified"]:
         lines.append(
             f"warning: torch {info['torch']} is newer than the newest release threadgraph was verified on "
@@ -81,7 +85,7 @@ def format_report(info: dict) -> str:
 def write_hazards(path: str) -> str | None:
     """Write the hazard catalogue (docs/hazards.md) to ``path``; returns the one line to show, and
     exit 2 with, when it cannot be written (a bad path is the user's to fix, not a traceback)."""
-    from ._hazards_page import markdown
+    from threadgraph._diagnostics.hazards_page import markdown
 
     page = markdown()
     try:

@@ -20,10 +20,28 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _capture_lock, _compat, _compile_flag, _fence, _first_call, _fx_flag, _fx_window, _gate_wrappers, _generation, _tls
-from ._errors import ThreadgraphWarning
-from ._gate import check_settings
-from ._registry import Patch, Registry, patch_names
+from threadgraph._patches import capture_lock as _capture_lock
+
+from threadgraph import _compat
+
+from threadgraph._patches import compile_flag as _compile_flag
+
+from threadgraph._device import fence as _fence
+
+from threadgraph._patches import first_call as _first_call
+
+from threadgraph._patches import fx_flag as _fx_flag
+
+from threadgraph._patches import fx_window as _fx_window
+
+from threadgraph._patches import gate_wrappers as _gate_wrappers
+
+from threadgraph._patches import generation as _generation
+
+from threadgraph._device import tls as _tls
+from threadgraph._errors import ThreadgraphWarning
+from threadgraph._device.gate import check_settings
+from threadgraph._patches.registry import Patch, Registry, patch_names
 
 log = logging.getLogger("threadgraph")
 

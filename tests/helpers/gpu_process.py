@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _interrupt(signum, frame):
@@ -79,7 +79,7 @@ def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess,
                                 "result": result, "last_stderr_line": last, "machine": machine}))
 
 
-def scenario(name: str, *args, timeout: float = 580, module: str = "tests.gpu_scenarios") -> dict:
-    """One scenario of ``module`` (tests/gpu_scenarios.py or tests/gpu_fence_scenarios.py)."""
+def scenario(name: str, *args, timeout: float = 580, module: str = "tests.helpers.gpu_scenarios") -> dict:
+    """One scenario of ``module`` (tests/helpers/gpu_scenarios.py or tests/helpers/gpu_fence_scenarios.py)."""
     tag = "_".join([name, *map(str, args)]).replace("-", "")
     return run_json(tag, ["-m", module, name, *args], timeout=timeout)

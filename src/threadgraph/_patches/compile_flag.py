@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ._per_thread import ThreadCount
+from threadgraph._per_thread import ThreadCount
 
 
 class PerThreadCompileSession:

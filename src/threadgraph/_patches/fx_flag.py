@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._per_thread import ThreadCount
+from threadgraph._per_thread import ThreadCount
 
 
 _fx_tracing = ThreadCount()  # FX traces the calling thread is inside

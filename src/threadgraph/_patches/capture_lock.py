@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Any, ContextManager
 
-from . import _compat
-from ._errors import GateTimeout
-from ._gate import DEFAULT_TIMEOUT_S, released
+from threadgraph import _compat
+from threadgraph._errors import GateTimeout
+from threadgraph._device.gate import DEFAULT_TIMEOUT_S, released
 
 
 class CaptureLock:

@@ -1,6 +1,6 @@
 """The DFlash drafter's compiled forward and backward alone, in one placement, in a fresh process.
 
-    python -m tests.gpu_drafter_scenarios PLACEMENT [--steps N] [--device cuda] [--backend inductor]
+    python -m tests.helpers.gpu_drafter_scenarios PLACEMENT [--steps N] [--device cuda] [--backend inductor]
         [--sdpa default|math] [--warmup-modes on|off] [--autograd-threads on|off]
 
 The trainer's Trees mode crashes (SIGSEGV) on torch 2.14.1 in the first warm-up of a drafter's

@@ -1,11 +1,11 @@
 """GPU scenarios for threadgraph, each meant to run in a fresh process.
 
-    python -m tests.gpu_scenarios NAME [--steps N] [--workers N] [--out result.json]
+    python -m tests.helpers.gpu_scenarios NAME [--steps N] [--workers N] [--out result.json]
 
 Every scenario prints one JSON object (and writes it to --out): what ran, what was compared,
 per-worker step times. ``tests/library/test_gpu.py`` runs them in subprocesses and asserts on the
 results; run directly they double as measurements. The workers and references they use are in
-``tests/gpu_workers.py``.
+``tests/helpers/gpu_workers.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 
 import threadgraph
-from tests.gpu_workers import (BATCH, WIDTH, Inferer, Trainer, _close, _divergence, _steady_seconds, _throughput,
+from tests.helpers.gpu_workers import (BATCH, WIDTH, Inferer, Trainer, _close, _divergence, _steady_seconds, _throughput,
                                 checksum, cudagraph_skips, main_thread_reference, make_data, make_model, manual_floor,
                                 run_group)
 
@@ -230,7 +230,7 @@ def capture_failure(args):
     original_record = trees.CUDAGraphNode._record
 
     def record(self, model, inputs):
-        worker = threadgraph._tls.current_worker()
+        worker = threadgraph._device.tls.current_worker()
         if worker is not None and worker.name.startswith("bad"):
             def failing(inputs):
                 model(inputs)  # kernels were captured, then the user's code raises mid-capture

@@ -59,10 +59,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _compat
-from ._errors import CaptureConflictError
-from ._gate import fenced, gate_for
-from ._tls import current_worker
+from threadgraph import _compat
+from threadgraph._errors import CaptureConflictError
+from threadgraph._device.gate import fenced, gate_for
+from threadgraph._device.tls import current_worker
 
 # Python entry points that draw from a CUDA generator: (owner module path, attribute).
 RNG_FUNCTIONS = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from . import _compat
+from threadgraph import _compat
 
 # The releases this catalogue was checked against; what each patch saw is in its own record.
 READ_RELEASES = "2.13.0, 2.14.1, 2.15.0"
@@ -350,7 +350,7 @@ def names() -> list[str]:
 
 def report() -> list[dict]:
     """Every hazard with its status on this torch and the patches that address it."""
-    from ._patches import PATCHES
+    from threadgraph._patches import PATCHES
 
     return [
         {

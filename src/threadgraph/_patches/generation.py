@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
-from ._tls import current_worker, worker_for_current_thread
+from threadgraph import _compat
+from threadgraph._device.tls import current_worker, worker_for_current_thread
 
 
 def worker_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:

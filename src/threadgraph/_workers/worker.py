@@ -12,12 +12,12 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from ._errors import GroupStopped, ThreadgraphError, WorkerError
-from ._fence import explain_capture_conflict
-from ._gate import gate_for
-from ._patches import install
-from ._stats import StepStats, StepTimer
-from ._tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
+from threadgraph._errors import GroupStopped, ThreadgraphError, WorkerError
+from threadgraph._device.fence import explain_capture_conflict
+from threadgraph._device.gate import gate_for
+from threadgraph._patches import install
+from threadgraph._workers.stats import StepStats, StepTimer
+from threadgraph._device.tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
 
 
 

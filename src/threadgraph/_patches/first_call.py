@@ -40,10 +40,10 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from . import _compat
-from ._fx_window import tracing_here
-from ._gate import DEFAULT_TIMEOUT_S, released
-from ._tls import current_worker, doing
+from threadgraph import _compat
+from threadgraph._patches.fx_window import tracing_here
+from threadgraph._device.gate import DEFAULT_TIMEOUT_S, released
+from threadgraph._device.tls import current_worker, doing
 
 log = logging.getLogger("threadgraph")
 

@@ -1,0 +1,1 @@
+"""doctor, its GPU self-test, and the hazard table."""

@@ -1,0 +1,1 @@
+"""Worker threads, groups, step statistics and whole-step capture."""
