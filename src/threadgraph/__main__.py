@@ -1,5 +1,4 @@
-"""Command line: ``python -m threadgraph doctor [--selftest] [--json]`` and
-``python -m threadgraph hazards [--write docs/hazards.md]`` (the hazard catalogue as Markdown)."""
+"""Command line: ``python -m threadgraph doctor [--selftest] [--json]`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import argparse
 import json
 import sys
 
-from threadgraph._diagnostics.doctor import format_report, report, write_hazards
+from threadgraph._diagnostics.doctor import format_report, report
 from threadgraph import __version__
 from threadgraph._errors import SettingError
 from threadgraph._device.gate import check_settings
@@ -20,26 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="torch/CUDA versions, hazards present, patches; --selftest runs GPU checks")
     doctor.add_argument("--selftest", action="store_true", help="train and infer with reduce-overhead in worker threads on the GPU")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
-    hazards = sub.add_parser("hazards", help="the hazard catalogue and patch records as Markdown (docs/hazards.md)")
-    hazards.add_argument("--write", metavar="PATH", help="write the page to PATH instead of printing it")
     args = parser.parse_args(argv)
     try:
         check_settings()
     except SettingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-    if args.command == "hazards":
-        if args.write:
-            problem = write_hazards(args.write)
-            if problem:
-                print(problem, file=sys.stderr)
-                return 2
-            return 0
-        from threadgraph._diagnostics.hazards_page import markdown
-
-        sys.stdout.write(markdown())
-        return 0
 
     info = report()
     if args.selftest and not info["cuda_available"]:

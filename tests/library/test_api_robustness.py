@@ -237,21 +237,3 @@ def test_e_names_that_are_not_strings_are_a_type_error(clean_patches, call, name
     with pytest.raises(TypeError, match=rf"threadgraph: {argument} takes (a patch name or a list of them|patch names)"):
         call(names)
     assert not threadgraph.installed()
-
-
-# -- F: the hazards command --------------------------------------------------------------------
-
-
-def test_f_writing_the_hazard_page_to_a_bad_path_is_one_line(tmp_path):
-    bad = tmp_path / "no-such-folder" / "hazards.md"
-    assert _doctor.write_hazards(str(bad)) == (
-        f"threadgraph hazards: cannot write {bad}: No such file or directory; pass --write a writable file path")
-    assert _doctor.write_hazards(str(tmp_path / "hazards.md")) is None
-    assert (tmp_path / "hazards.md").read_text(encoding="utf-8").startswith("#")
-
-
-def test_f_the_cli_exits_2_with_one_line_on_a_bad_path(tmp_path):
-    bad = tmp_path / "no-such-folder" / "hazards.md"
-    proc = subprocess.run([sys.executable, "-m", "threadgraph", "hazards", "--write", str(bad)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "cannot write" in proc.stderr

@@ -58,7 +58,7 @@ def test_patches_report_names_hazard_and_activity(clean_patches):
     before = {p["name"]: p for p in threadgraph.patches()}
     assert not any(p["active"] for p in before.values())
     for p in before.values():
-        assert p["hazard"] and p["releases"] and p["removable_when"] and ":" in p["target"]
+        assert p["hazard"] and ":" in p["target"]
     threadgraph.install()
     after = {p["name"]: p["active"] for p in threadgraph.patches()}
     assert after == {name: p["applies"] for name, p in before.items()}

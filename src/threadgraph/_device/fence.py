@@ -1,7 +1,7 @@
 """The eager fence: eager CUDA work in any thread waits while another thread captures.
 
 While a thread records a CUDA graph, the device is in a state other threads' eager work breaks
-(hazard ``device-wide-capture`` of ``_hazards``):
+(hazard ``device-wide-capture``, docs/hazards.md):
 
 - the device's default CUDA generator is in capture mode for every capture, whether or not the
   graph draws random numbers, and rejects any increment from outside it: an eager ``torch.rand``

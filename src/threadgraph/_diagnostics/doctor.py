@@ -81,16 +81,3 @@ def format_report(info: dict) -> str:
         ]
     return "\n".join(lines)
 
-
-def write_hazards(path: str) -> str | None:
-    """Write the hazard catalogue (docs/hazards.md) to ``path``; returns the one line to show, and
-    exit 2 with, when it cannot be written (a bad path is the user's to fix, not a traceback)."""
-    from threadgraph._diagnostics.hazards_page import markdown
-
-    page = markdown()
-    try:
-        with open(path, "w", encoding="utf-8") as out:
-            out.write(page)
-    except OSError as exc:
-        return f"threadgraph hazards: cannot write {path}: {exc.strerror or exc}; pass --write a writable file path"
-    return None

@@ -28,17 +28,13 @@ class PatchWrapper(wrapt.FunctionWrapper):
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
+    """One named replacement of a torch symbol; its record (releases, evidence) is in docs/patches.md."""
+
     name: str
     target: str  # "module.path:Owner.attribute" or "module.path:attribute"
-    hazard: str  # a name from the hazard catalogue (``_hazards.HAZARDS``)
-    releases: str  # torch releases it applies to
-    removable_when: str
-    upstream: str  # verified upstream issues / pull requests, or "none known"
+    hazard: str  # why: the entry of docs/hazards.md it addresses (``_diagnostics.hazards.HAZARDS``)
     wrapper: Optional[Callable[..., Any]]  # a wrapt wrapper (wrapped, instance, args, kwargs)
     applies: Callable[[], bool] = lambda: True
-    read: str = "not recorded"  # releases whose source of the target was read
-    run: str = "not recorded"  # releases the tests ran on (CPU, GPU with the machine)
-    changes: str = "not recorded"  # what changed in the target between those releases
     # Further targets, listed when the patch is installed (they can depend on the torch at hand).
     more_targets: Callable[[], list[str]] = lambda: []
     # Instead of a wrapt proxy, the object that replaces the original (for callables Dynamo must
@@ -213,12 +209,6 @@ class Registry:
                     "target": p.target,
                     "targets": p.targets(),
                     "hazard": p.hazard,
-                    "releases": p.releases,
-                    "removable_when": p.removable_when,
-                    "upstream": p.upstream,
-                    "read": p.read,
-                    "run": p.run,
-                    "changes": p.changes,
                     # A patch whose condition holds but whose target this torch lacks does not apply.
                     "applies": condition and not missing,
                     "missing": missing,
