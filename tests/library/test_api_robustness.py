@@ -182,15 +182,17 @@ def test_c_a_good_or_unset_gate_timeout_is_used(monkeypatch):
 
 def test_c_a_bad_gate_timeout_stops_install_and_workers_and_the_cli_says_it_in_one_line():
     env = {"THREADGRAPH_GATE_TIMEOUT": "10s", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    # Importing works (a command line can then say it in one line); every call that would wait refuses.
     script = ("import threadgraph\n"
-              "for make in (threadgraph.install, lambda: threadgraph.CompiledWorkerThread('cpu')):\n"
+              "for make in (threadgraph.install, lambda: threadgraph.CompiledWorkerThread('cpu'),\n"
+              "             threadgraph.check_settings):\n"
               "    try:\n        make()\n    except threadgraph.SettingError as err:\n        print('refused:', err)\n"
               "print('installed:', threadgraph.installed())\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert [line.startswith("refused: threadgraph: THREADGRAPH_GATE_TIMEOUT='10s' is not a timeout") for line in lines[:2]] \
-        == [True, True] and lines[2] == "installed: False", proc.stdout
+    assert [line.startswith("refused: threadgraph: THREADGRAPH_GATE_TIMEOUT='10s' is not a timeout") for line in lines[:3]] \
+        == [True] * 3 and lines[3] == "installed: False", proc.stdout
     for command in (["-m", "threadgraph", "doctor"], ["-m", "examples.dflash_trainer", "--max-steps", "1"]):
         cli = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
         assert cli.returncode == 2, (command, cli.stderr)

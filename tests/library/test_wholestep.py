@@ -4,6 +4,7 @@
 import contextlib
 import logging
 import types
+import warnings
 
 import pytest
 import torch
@@ -20,8 +21,36 @@ def test_inputs_must_be_tensors():
 
 def test_cpu_inputs_are_rejected_with_a_fix():
     step = capture_step(lambda x: x)
-    with pytest.raises(CaptureError, match=r"one CUDA device.*\.to\(device\)"):
+    with pytest.raises(CaptureError, match=r"(?s)on a CUDA device; got cpu\. Move them with \.to\(device\).*"
+                                           r"pass fallback='uncaptured'"):
         step(torch.ones(2))
+
+
+def test_fallback_uncaptured_runs_cpu_inputs_uncaptured_and_says_so_once(caplog):
+    step = capture_step(lambda x: x * 2, fallback="uncaptured")
+    with caplog.at_level(logging.WARNING, logger="threadgraph"), \
+            pytest.warns(threadgraph.ThreadgraphWarning, match="inputs must be on a CUDA device; got cpu"):
+        assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
+    assert "running it uncaptured from now on" in caplog.text and not step.captured
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: later calls run the function without a word
+        assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0))
+    assert step.calls == 2
+
+
+def test_fallback_uncaptured_runs_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    x = torch.ones(2)
+    step = capture_step(lambda: x + 1, fallback="uncaptured")
+    with pytest.warns(threadgraph.ThreadgraphWarning, match="capture_step needs a CUDA GPU"):
+        assert torch.equal(step(), torch.full((2,), 2.0))
+    assert "needs a CUDA GPU" in step.uncaptured_reason
+
+
+def test_inputs_on_several_devices_are_an_error_even_with_the_fallback():
+    step = capture_step(lambda x, y: x, fallback="uncaptured")
+    with pytest.raises(CaptureError, match=r"all be on one CUDA device; got \['cpu', 'meta'\]"):
+        step(torch.ones(2), torch.ones(2, device="meta"))
 
 
 @pytest.mark.parametrize("kwargs, match", [({"fallback": "maybe"}, "fallback must be"), ({"warmup_steps": 0}, "warmup_steps >= 1")])

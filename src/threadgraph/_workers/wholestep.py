@@ -80,6 +80,8 @@ class StepGraph:
         if self.graph is not None:
             return self._replay(inputs)
         self._check_inputs(inputs)
+        if self.uncaptured_reason is not None:  # no GPU, or CPU inputs, with fallback="uncaptured"
+            return self.fn(*inputs)
         if self.calls <= self.warmup_steps:  # ordinary device work (and compiles): no exclusivity,
             return self._warmup(inputs)      # so other workers keep running while this one warms up
         # No FX trace may start in another thread meanwhile: it would make the step miss its
@@ -94,21 +96,33 @@ class StepGraph:
         if bad:
             raise CaptureError(f"threadgraph: capture_step inputs must be tensors (copied into static buffers); got {bad}. "
                                "Close over other values in the step function instead")
-        if any(d.type != "cuda" for d in devices) or len(devices) > 1:
+        if len(devices) > 1:
             raise CaptureError(f"threadgraph: capture_step inputs must all be on one CUDA device; got {sorted(map(str, devices))}. "
-                               "Move them with .to(device) first (CPU tensors cannot be captured)")
+                               "Move them with .to(device) first")
+        if any(d.type != "cuda" for d in devices):
+            self._not_capturable(f"threadgraph: capture_step inputs must be on a CUDA device; got {devices.pop()}. "
+                                 "Move them with .to(device) first (CPU tensors cannot be captured)")
+            return
         if not devices and not torch.cuda.is_available():
-            raise CaptureError(
+            self._not_capturable(
                 f"threadgraph: capture_step needs a CUDA GPU (a whole step is captured as a CUDA graph), but torch "
-                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda}). Run it on a GPU machine, or call "
-                "the step function itself where there is no GPU"
+                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda}). Run it on a GPU machine"
             )
+            return
         device = devices.pop() if devices else torch.device("cuda", torch.cuda.current_device())
         if self._device is None:
             self._device = device
             self._stream = torch.cuda.Stream(device)
         elif device != self._device:
             raise CaptureError(f"threadgraph: this step graph lives on {self._device}, but got inputs on {device}")
+
+    def _not_capturable(self, message: str, cause: Optional[BaseException] = None) -> None:
+        """Raise CaptureError, or with ``fallback="uncaptured"`` log, warn and run uncaptured from now on."""
+        if self.fallback == "raise":
+            raise CaptureError(message + "\n  pass fallback='uncaptured' to run it uncaptured instead") from cause
+        self.uncaptured_reason = message
+        log.warning("%s; running it uncaptured from now on", message)
+        warnings.warn(message, ThreadgraphWarning, stacklevel=4)
 
     def _on_side_stream(self, fn: Callable[[], Any]) -> Any:
         self._stream.wait_stream(torch.cuda.current_stream())
@@ -131,12 +145,7 @@ class StepGraph:
                 self._static_output = self.fn(*self._static_inputs)
         except Exception as exc:
             self._static_inputs = self._static_output = None
-            message = f"threadgraph: the step could not be captured as one CUDA graph: {_explain(exc)}"
-            if self.fallback == "raise":
-                raise CaptureError(message + "\n  pass fallback='uncaptured' to run it uncaptured instead") from exc
-            self.uncaptured_reason = message
-            log.warning("%s; running it uncaptured from now on", message)
-            warnings.warn(message, ThreadgraphWarning, stacklevel=3)
+            self._not_capturable(f"threadgraph: the step could not be captured as one CUDA graph: {_explain(exc)}", exc)
             return self.fn(*inputs)
         self.graph = graph
         log.debug("threadgraph: captured a whole step on %s", self._device)
