@@ -32,7 +32,12 @@ class ThreadgraphWarning(UserWarning):
 
 
 class WorkerError(ThreadgraphError):
-    """A worker thread failed; raised from ``join()`` with the worker's exception as cause."""
+    """A worker thread failed; raised from ``join()`` with the worker's exception as cause.
+
+    Attributes:
+        thread_name: The failed worker's thread name.
+        device: Its device (``"cuda:0"``, ``"cpu"``), or None when it had none yet.
+    """
 
     def __init__(self, message: str, *, thread_name: str, device: str | None) -> None:
         super().__init__(message)
@@ -41,7 +46,14 @@ class WorkerError(ThreadgraphError):
 
 
 class GateTimeout(ThreadgraphError):
-    """A device gate could not be acquired in time; the message says who holds it."""
+    """A wait on the device gate lasted longer than ``THREADGRAPH_GATE_TIMEOUT``; the message says who holds it.
+
+    threadgraph logs every thread's stack with it, so a stuck wait says where it is.
+
+    Attributes:
+        thread_name: The thread that waited.
+        device: The device whose gate it waited for.
+    """
 
     def __init__(self, message: str, *, thread_name: str, device: str) -> None:
         super().__init__(message)
@@ -53,7 +65,13 @@ class CaptureConflictError(ThreadgraphError):
     """Eager CUDA work that threadgraph does not order ran into another thread's capture.
 
     The message names the op, the thread that was capturing and the fix; the CUDA error is the
-    cause. Attributes: ``device``, ``capturing_thread``, ``op``."""
+    cause.
+
+    Attributes:
+        device: The device of the capture.
+        capturing_thread: The thread that was capturing, or None when none is known.
+        op: The operation that ran into the capture.
+    """
 
     def __init__(self, message: str, *, device: str, capturing_thread: str | None, op: str) -> None:
         super().__init__(message)

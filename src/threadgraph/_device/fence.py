@@ -243,11 +243,15 @@ def rng_function_targets() -> list[str]:
 
 @contextlib.contextmanager
 def outside_captures(device: Any = None) -> Iterator[None]:
-    """Run a block of eager CUDA work outside every capture on ``device`` (default: the current one).
+    """A context manager: run a block of eager CUDA work outside every capture on a device.
 
     For work the fence does not see (C++ extensions, ``torch._C`` called directly): it waits
     while another thread warms up or records on the device, and holds captures off until the
-    block ends. Keep the block short and free of waits on other threads.
+    block ends. Keep the block short and free of waits on other threads. On a CPU device it
+    does nothing.
+
+    Args:
+        device: The device (``"cuda:0"``, a ``torch.device``, an index); None: the current one.
     """
     with _fence_on(_current_or(device)):
         yield

@@ -84,8 +84,15 @@ except SettingError as _problem:
 
 
 def check_settings() -> None:
-    """Raise SettingError when an environment variable threadgraph reads (THREADGRAPH_GATE_TIMEOUT)
-    holds a bad value; the message names it and the fix. ``install()`` and every worker call it."""
+    """Check the environment variables threadgraph reads (``THREADGRAPH_GATE_TIMEOUT``).
+
+    Importing threadgraph never fails on a bad value; :func:`install`, a worker's construction,
+    the first use of a device's gate and ``threadgraph doctor`` call this first, so nothing waits
+    with a default in place of the value asked for. Call it at a program's start to fail early.
+
+    Raises:
+        SettingError: A variable holds a bad value; the message names it and the fix.
+    """
     if _setting_problem is not None:
         raise SettingError(*_setting_problem.args)
 
@@ -293,9 +300,11 @@ def fenced(device: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def released() -> Iterator[None]:
-    """Give up the calling thread's shared slots on every device for the duration of a block.
+    """A context manager: give up the calling thread's device-gate slots on every device for the
+    duration of a block, and take them back after it.
 
-    Use it around waits that may depend on another worker (queues, events, joins).
+    Use it around waits that may depend on another worker (queues, events, joins), so a capture
+    elsewhere on the device can proceed meanwhile. A group's queues do it themselves.
     """
     with _gates_lock:
         gates = list(_gates.values())

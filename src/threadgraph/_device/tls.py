@@ -32,9 +32,13 @@ log = logging.getLogger("threadgraph")
 def ensure_cudagraph_tls() -> bool:
     """Give the calling thread its own CUDAGraph Trees state, as the importing thread has it.
 
-    Idempotent and safe from any thread; on every torch 2.1 - 2.15. The objects are stashed
-    reference-correctly (torch 2.11's stash steals a reference, see ``_compat.stash``), so they
-    stay valid in autograd's backward thread. Returns whether anything had to be created.
+    The fix for hazard ``tls-assert`` without :func:`install`: call it at the start of a thread
+    that calls reduce-overhead functions. Idempotent and safe from any thread; on every torch
+    2.1 - 2.15. The objects stay valid in autograd's backward thread (hazard
+    ``stash-steals-reference``).
+
+    Returns:
+        Whether anything had to be created.
     """
     trees = _compat.cudagraph_trees()
     if all(torch._C._is_key_in_tls(key) for key in TREE_TLS_KEYS):
@@ -185,8 +189,8 @@ def release_cudagraph_tls() -> None:
     are released by the thread's C++ thread-local destructor after Python's ``join()`` returns;
     that takes the GIL, and while the interpreter finalises, Python (< 3.14) ends such a thread
     with ``pthread_exit`` inside a noexcept destructor: the process aborts with "terminate
-    called without an active exception" (hazard stash-released-at-thread-exit). :func:`wait_for_thread_exit` covers torch
-    releases that cannot remove entries.
+    called without an active exception" (hazard ``stash-released-at-thread-exit``). Workers call
+    it themselves.
     """
     for key in (WORKER_KEY, *TREE_TLS_KEYS):
         _compat.unstash(key)

@@ -149,13 +149,24 @@ def _excluded_by_env() -> frozenset:
 
 
 def install(exclude: Iterable[str] = frozenset()) -> list[str]:
-    """Apply threadgraph's patches (idempotent). Returns the names applied by this call.
+    """Apply threadgraph's patches to torch (idempotent), for every thread of the process.
 
-    ``exclude`` names patches to leave out (one name or a collection of them; see ``patches()``);
-    meant for experiments and for demonstrating what each patch fixes, not for production.
-    ``THREADGRAPH_EXCLUDE_PATCHES`` (a comma list) adds to it, so a benchmark's subprocesses can be
-    run with a patch left out. Every symbol to be patched is checked first: on a torch that lacks
-    one, nothing is patched and UnsupportedTorchError names every missing symbol.
+    Call it once in the main thread before anything is compiled; a worker's construction calls it
+    too. Every symbol to be patched is checked first: on a torch that lacks one, nothing is patched.
+
+    Args:
+        exclude: Patches to leave out: one name or a collection of them (see :func:`patches`);
+            meant for experiments and for demonstrating what each patch fixes, not for
+            production. ``THREADGRAPH_EXCLUDE_PATCHES`` (a comma list) adds to it.
+
+    Returns:
+        The names of the patches this call applied (empty when all were in place).
+
+    Raises:
+        UnsupportedTorchError: This torch lacks a symbol a patch replaces; names every one.
+        ValueError: ``exclude`` or ``THREADGRAPH_EXCLUDE_PATCHES`` names no patch.
+        TypeError: ``exclude`` holds something other than names.
+        SettingError: ``THREADGRAPH_GATE_TIMEOUT`` holds a bad value.
     """
     check_settings()
     exclude = patch_names(exclude, "exclude") | _excluded_by_env()
@@ -193,8 +204,18 @@ def _trees_exist_in_this_thread() -> bool:
 
 
 def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
-    """Restore the exact original objects (of the patches in ``names`` only, if given: one name or a
-    collection of them). Returns the names removed."""
+    """Restore the exact original objects that :func:`install` replaced.
+
+    Args:
+        names: Only these patches (one name or a collection of them); None removes all of them
+            and forgets what ``install(exclude=...)`` left out.
+
+    Returns:
+        The names of the patches removed.
+
+    Raises:
+        ValueError: ``names`` names no patch.
+    """
     if names is not None:
         names = patch_names(names, "uninstall")
         _registry.check_known(names)
@@ -206,7 +227,12 @@ def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
 
 @contextlib.contextmanager
 def patched() -> Iterator[None]:
-    """``install()`` for the duration of a block; uninstalls only what this block installed."""
+    """A context manager: :func:`install` for the duration of a block; on exit it uninstalls only
+    the patches the block installed.
+
+    Example:
+        ``with threadgraph.patched(): run_threads()``
+    """
     applied = install()
     try:
         yield
@@ -216,10 +242,16 @@ def patched() -> Iterator[None]:
 
 
 def installed() -> bool:
-    """Whether threadgraph's patches are in place (any active; ``patches()`` says which)."""
+    """Whether threadgraph's patches are in place (any of them active; :func:`patches` says which)."""
     return any(p["active"] for p in _registry.describe())
 
 
 def patches() -> list[dict[str, Any]]:
-    """Every patch with its targets, the hazard it addresses and whether it applies and is active."""
+    """Every patch threadgraph has, as a list of dicts, one per patch, in the order applied.
+
+    Each dict holds ``name``; ``target`` and ``targets`` (``"module:Owner.attribute"`` strings,
+    the symbols it replaces); ``hazard`` (why: an entry of docs/hazards.md); ``applies``
+    (whether :func:`install` applies it on this torch); ``missing`` (targets this torch lacks) and
+    ``active`` (whether it is in place now). docs/patches.md describes each patch.
+    """
     return _registry.describe()

@@ -28,6 +28,7 @@ class GroupQueue(queue.Queue):
         self._stopped = False
 
     def close(self) -> None:
+        """Stop the queue: every worker blocked in ``get()``, ``put()`` or ``join()`` raises GroupStopped."""
         with self.mutex:
             self._stopped = True
             self.not_empty.notify_all()
@@ -60,6 +61,7 @@ class GroupQueue(queue.Queue):
             raise GroupStopped("threadgraph: the worker group stopped while this worker waited on its queue")
 
     def get(self, block: bool = True, timeout: Optional[float] = None):
+        """``queue.Queue.get``, with the device gate's slots given up while it waits; GroupStopped once stopped."""
         with released(), self.not_empty:
             self._wait(self.not_empty, lambda: self._qsize() > 0, block, timeout, queue.Empty)
             item = self._get()
@@ -67,6 +69,7 @@ class GroupQueue(queue.Queue):
             return item
 
     def put(self, item, block: bool = True, timeout: Optional[float] = None) -> None:
+        """``queue.Queue.put``, with the device gate's slots given up while it waits; GroupStopped once stopped."""
         with released(), self.not_full:
             if self.maxsize > 0:
                 self._wait(self.not_full, lambda: self._qsize() < self.maxsize, block, timeout, queue.Full)
@@ -92,6 +95,14 @@ class WorkerGroup:
     a compile fails its own guards ("GLOBAL_STATE changed: default_dtype", hazard global-default-dtype). Pass
     ``serial_setup=False`` when setups must run together (for example, when they wait on each
     other); steps still wait for all setups.
+
+    Args:
+        workers: The workers, each not started yet and in no other group (more with ``add()``).
+        serial_setup: Whether the workers' ``setup()``s run one at a time.
+
+    Attributes:
+        workers: The group's workers, in the order added.
+        serial_setup: As passed.
     """
 
     def __init__(self, workers: Iterable[CompiledWorkerThread] = (), *, serial_setup: bool = True) -> None:
@@ -117,6 +128,12 @@ class WorkerGroup:
         return q
 
     def add(self, worker: CompiledWorkerThread) -> CompiledWorkerThread:
+        """Add a worker that was not started yet, before the group starts; returns it.
+
+        Raises:
+            RuntimeError: The group already started.
+            ValueError: The worker was started already, or is in this or another group already.
+        """
         if self._started:
             raise RuntimeError(f"threadgraph: the group already started; add worker {worker.name} before start(), "
                                f"or start it in a group of its own")
@@ -135,9 +152,15 @@ class WorkerGroup:
 
     @property
     def broken(self) -> bool:
+        """Whether a worker of the group has failed."""
         return self._first_failure is not None
 
     def start(self) -> "WorkerGroup":
+        """Start every worker; returns the group. A group starts once.
+
+        Raises:
+            RuntimeError: The group was started already.
+        """
         if self._started:
             raise RuntimeError("threadgraph: the group was started already; a group runs once, make a new one "
                                "(with new workers) to run again")

@@ -50,7 +50,19 @@ def _explain(exc: BaseException) -> str:
 
 
 class StepGraph:
-    """A step function replayed as one CUDA graph. Build it with :func:`capture_step`."""
+    """A step function replayed as one CUDA graph. Build it with :func:`capture_step`.
+
+    Call it as the step function itself: ``step(*tensors)`` returns what the function returns
+    (after the capture: the same static tensors, overwritten by each call).
+
+    Attributes:
+        fn: The step function.
+        warmup_steps: Calls run uncaptured before the capture.
+        fallback: ``"raise"`` or ``"uncaptured"`` (see :func:`capture_step`).
+        calls: Calls so far.
+        graph: The captured ``torch.cuda.CUDAGraph``, or None before the capture (or without one).
+        uncaptured_reason: Why the step runs uncaptured (``fallback="uncaptured"``), or None.
+    """
 
     def __init__(self, fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str = "raise") -> None:
         if fallback not in FALLBACKS:
@@ -71,9 +83,11 @@ class StepGraph:
 
     @property
     def captured(self) -> bool:
+        """Whether the step was captured and now replays."""
         return self.graph is not None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Run one step: a warmup call, the capture, or a replay with ``inputs`` copied in."""
         self.calls += 1
         if self.uncaptured_reason is not None:
             return self.fn(*inputs)
@@ -174,7 +188,20 @@ def capture_step(fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str
     inside must not use CUDAGraph Trees (use ``torch.compile`` default mode). The first
     ``warmup_steps`` calls run uncaptured; the next one captures; later ones copy the inputs into
     static buffers and replay. Outputs are static tensors, overwritten by the next call: clone
-    what you keep. ``fallback="uncaptured"`` logs and runs the step uncaptured when capture fails;
-    ``"raise"`` raises :class:`CaptureError`.
+    what you keep.
+
+    Args:
+        fn: The step function; its arguments are tensors, copied into static buffers each call.
+        warmup_steps: Calls to run uncaptured before the capture (at least 1: optimizer state
+            and compiled kernels must exist before it).
+        fallback: What to do with a step that cannot be captured (the capture fails, there is no
+            GPU, or the inputs are on the CPU): ``"raise"`` raises :class:`CaptureError`;
+            ``"uncaptured"`` logs and warns once, then runs the step uncaptured from then on.
+
+    Returns:
+        The :class:`StepGraph` to call instead of ``fn``.
+
+    Raises:
+        ValueError: ``fallback`` or ``warmup_steps`` is not one the function takes.
     """
     return StepGraph(fn, warmup_steps=warmup_steps, fallback=fallback)

@@ -139,7 +139,27 @@ class CompiledWorkerThread(threading.Thread):
     gives the thread its CUDAGraph Trees state and its own generation counters, holds the
     device gate's shared slot around ``setup()`` and each ``step()``, begins a new cudagraph step
     before each ``step()``, times steps after ``warmup_steps``, and stores any exception for
-    ``join()``. Call ``self.stop()`` (from anywhere, also from ``step()``) to finish.
+    ``join()``. Call ``self.stop()`` (from anywhere, also from ``step()``) to finish. Constructing
+    a worker calls :func:`install`.
+
+    Args:
+        device: The worker's device (``"cuda:1"``, a ``torch.device``, an index); None means
+            cuda:0, or the CPU where there is no CUDA.
+        name: The thread's name (default: Python's).
+        warmup_steps: Steps not timed (compiles and captures happen in them).
+        max_steps: Steps after which the worker stops by itself; None runs until ``stop()``.
+        daemon: Whether the thread is a daemon thread.
+
+    Raises:
+        ValueError: A bad ``device``, ``warmup_steps`` or ``max_steps``.
+        SettingError: ``THREADGRAPH_GATE_TIMEOUT`` holds a bad value.
+
+    Attributes:
+        device: The worker's ``torch.device``.
+        warmup_steps: As passed.
+        max_steps: As passed.
+        stats: What the worker measured (:class:`StepStats`).
+        worker_state: threadgraph's per-worker CUDAGraph Trees state (its generation counters).
     """
 
     def __init__(
@@ -188,10 +208,12 @@ class CompiledWorkerThread(threading.Thread):
 
     @property
     def stopping(self) -> bool:
+        """Whether the worker was asked to stop (by ``stop()``, its group, or a failure)."""
         return self._stop_requested.is_set()
 
     @property
     def exception(self) -> Optional[BaseException]:
+        """The exception the worker failed with, or None (``join()`` raises it as a WorkerError)."""
         return self._exception
 
     @property
@@ -230,6 +252,7 @@ class CompiledWorkerThread(threading.Thread):
         return gate_for(str(self.device)).shared()
 
     def run(self) -> None:
+        """The thread's body (do not override): setup, steps until stopped, teardown."""
         _running.add(self)
         try:
             self._run()
