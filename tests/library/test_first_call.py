@@ -1,10 +1,10 @@
 """Identical workers compile once (hazard concurrent-first-compile, patch first_call_in_turn)."""
 
+import contextlib
 import inspect
 import logging
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -127,19 +127,37 @@ def test_the_compiling_worker_reports_compile_time_and_the_others_their_wait(pat
         [w.stats.summary() for w in workers]
 
 
-def _slow_first_call(release: threading.Event, calls: list):
+def _slow_first_call(release: threading.Event, calls: list, entered: threading.Event):
+    """A function whose first call sets ``entered``, waits for ``release`` and fails."""
     def fn(x):
         calls.append(threading.current_thread().name)
         if len(calls) == 1:
-            assert release.wait(10)
+            entered.set()
+            assert release.wait(10), "the test never released the first call"
             raise ValueError("first call failed")
         return x + 1
     return fn
 
 
-def test_a_failed_first_call_leaves_the_turn_to_the_next_caller(patches):
-    release, calls = threading.Event(), []
-    compiled = _first_call.in_turn(_slow_first_call(release, calls), key=("test-failed",), name="fn")
+def _signal_waits_for_the_turn(monkeypatch) -> threading.Event:
+    """An event set when a thread starts waiting for another's turn (it gives its slots up first)."""
+    waiting, released = threading.Event(), _first_call.released
+
+    @contextlib.contextmanager
+    def observed():
+        waiting.set()
+        with released():
+            yield
+
+    monkeypatch.setattr(_first_call, "released", observed)
+    return waiting
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_first_call_leaves_the_turn_to_the_next_caller(patches, monkeypatch):
+    release, calls, entered = threading.Event(), [], threading.Event()
+    waiting = _signal_waits_for_the_turn(monkeypatch)
+    compiled = _first_call.in_turn(_slow_first_call(release, calls, entered), key=("test-failed",), name="fn")
     errors, results = [], []
 
     def call():
@@ -150,26 +168,26 @@ def test_a_failed_first_call_leaves_the_turn_to_the_next_caller(patches):
 
     first = threading.Thread(target=call, name="first")
     first.start()
-    while not calls:
-        time.sleep(0.001)
+    assert entered.wait(10), "the first call never began"
     second = threading.Thread(target=call, name="second")
     second.start()
-    time.sleep(0.05)
-    assert calls == ["first"]  # the second waits for the turn
+    assert waiting.wait(10), "the second caller never waited for the turn"
+    assert calls == ["first"]  # the second waits for the turn the first holds
     release.set()
     first.join(10)
     second.join(10)
+    assert not first.is_alive() and not second.is_alive()
     assert errors == ["first call failed"] and results == [2] and calls == ["first", "second"]
 
 
+@pytest.mark.timeout(60)
 def test_a_turn_held_too_long_is_given_up_with_a_warning(patches, monkeypatch, caplog):
     monkeypatch.setattr(_first_call, "DEFAULT_TIMEOUT_S", 0.05)
-    release, calls = threading.Event(), []
-    compiled = _first_call.in_turn(_slow_first_call(release, calls), key=("test-timeout",), name="slow_fn")
+    release, calls, entered = threading.Event(), [], threading.Event()
+    compiled = _first_call.in_turn(_slow_first_call(release, calls, entered), key=("test-timeout",), name="slow_fn")
     first = threading.Thread(target=lambda: pytest.raises(ValueError, compiled, 1), name="holder")
     first.start()
-    while not calls:
-        time.sleep(0.001)
+    assert entered.wait(10), "the first call never began"
     with caplog.at_level(logging.WARNING, logger="threadgraph"):
         assert compiled(1) == 2  # did not wait for the holder
     release.set()

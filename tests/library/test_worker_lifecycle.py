@@ -159,11 +159,13 @@ def test_ctrl_c_in_a_workers_join_stops_it():
 
 # A stand-in worker for the scripts below, each run in an interpreter of its own until it exits.
 WORKER = textwrap.dedent("""
-    import sys, time, torch, threadgraph
+    import sys, threading, time, torch, threadgraph
     class W(threadgraph.CompiledWorkerThread):
+        stepping = None  # an Event per worker, set in its first step
         def step(self):
+            self.stepping.set()
             torch.ones(4, 4).sum()
-            time.sleep(0.001)
+            time.sleep(0.001)  # a step's work, not a wait for anything
         def teardown(self):
             sys.stdout.write(f"teardown {self.name} after {self.stats.steps} steps\\n")
 """)
@@ -171,8 +173,11 @@ WORKER = textwrap.dedent("""
 LEFT_RUNNING = WORKER + textwrap.dedent("""
     workers = [W("cpu", name=f"w{i}") for i in range(4)]
     for w in workers:
+        w.stepping = threading.Event()
         w.start()
-    time.sleep(0.3)  # the script ends without stopping or joining them
+    for w in workers:
+        assert w.stepping.wait(60), f"{w.name} never stepped"
+    # the script ends without stopping or joining them
 """)
 
 
@@ -193,12 +198,15 @@ AT_EXIT_MIXED = WORKER + textwrap.dedent("""
     q = group.queue()
     class Consumer(W):
         def step(self):
+            self.stepping.set()
             q.get()  # nothing ever comes: only the group's stop wakes it
-    group.add(Consumer("cpu", name="consumer"))
+    consumer = group.add(Consumer("cpu", name="consumer"))
+    consumer.stepping = threading.Event()
     group.start()
     finisher = W("cpu", name="finisher", daemon=False, max_steps=200)  # Python waits for it: left to finish
+    finisher.stepping = threading.Event()
     finisher.start()
-    time.sleep(0.3)
+    assert consumer.stepping.wait(60) and finisher.stepping.wait(60), "a worker never stepped"
 """)
 
 
