@@ -114,6 +114,9 @@ def library_privates_used(paths, root=ROOT) -> list[str]:
             elif isinstance(node, ast.Import):
                 found += [f"{path.relative_to(root)}: import {a.name}" for a in node.names
                           if a.name.startswith("threadgraph._")]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "threadgraph"
+                  and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.relative_to(root)}: threadgraph.{node.attr}")
     return found
 
 
@@ -123,9 +126,17 @@ def test_the_example_benchmarks_and_tools_use_only_the_librarys_public_api():
     assert not library_privates_used(users), library_privates_used(users)
 
 
+def test_shared_test_helpers_and_the_conformance_suite_use_only_the_librarys_public_api():
+    # tests/library tests the library from inside; every other test uses it as a user does.
+    users = [p for folder in ("helpers", "conformance") for p in sorted((ROOT / "tests" / folder).rglob("*.py"))]
+    assert len(users) > 10
+    assert not library_privates_used(users), library_privates_used(users)
+
+
 def test_the_public_api_check_finds_a_private_import(tmp_path):
     (tmp_path / "x.py").write_text("from threadgraph import _stats, install\nimport threadgraph._device.gate\n")
-    (tmp_path / "y.py").write_text("from threadgraph._device.fence import outside_captures\nfrom threadgraph import install\n")
+    (tmp_path / "y.py").write_text("from threadgraph._device.fence import outside_captures\nfrom threadgraph import install\n"
+                                   "names = threadgraph._patches.FENCE_PATCHES, threadgraph.__version__\n")
     found = library_privates_used([tmp_path / "x.py", tmp_path / "y.py"], root=tmp_path)
-    assert found == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._device.gate",
-                     "y.py: from threadgraph._device.fence import outside_captures"]
+    assert sorted(found) == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._device.gate",
+                             "y.py: from threadgraph._device.fence import outside_captures", "y.py: threadgraph._patches"]

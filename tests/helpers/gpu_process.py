@@ -80,6 +80,6 @@ def _record(path: Path, tag: str, args: list, proc: subprocess.CompletedProcess,
 
 
 def scenario(name: str, *args, timeout: float = 580, module: str = "tests.helpers.gpu_scenarios") -> dict:
-    """One scenario of ``module`` (tests/helpers/gpu_scenarios.py or tests/helpers/gpu_fence_scenarios.py)."""
+    """One scenario of ``module`` (tests/helpers/gpu_scenarios.py or tests/library/gpu_fence_scenarios.py)."""
     tag = "_".join([name, *map(str, args)]).replace("-", "")
     return run_json(tag, ["-m", module, name, *args], timeout=timeout)

@@ -11,6 +11,7 @@ results; run directly they double as measurements. The workers and references th
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import threading
 import time
@@ -21,6 +22,15 @@ import threadgraph
 from tests.helpers.gpu_workers import (BATCH, WIDTH, Inferer, Trainer, _close, _divergence, _steady_seconds, _throughput,
                                 checksum, cudagraph_skips, main_thread_reference, make_data, make_model, manual_floor,
                                 run_group)
+
+
+def _trees():
+    return importlib.import_module("torch._inductor.cudagraph_trees")
+
+
+def _generation_patches() -> frozenset:
+    """The patches that keep generations per worker (hazard global-generation), by threadgraph's own account."""
+    return frozenset(p["name"] for p in threadgraph.patches() if p["hazard"] == "global-generation")
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -48,9 +58,9 @@ def plain_thread_bug(args):
     t = threading.Thread(target=body)
     t.start()
     t.join(300)
-    from threadgraph import _compat
-
-    return {"outcome": box.get("outcome"), "get_obj_asserts": _compat.get_obj_asserts()}
+    # lazy_tls applies exactly where get_obj asserts in a thread without the TLS (hazard tls-assert)
+    lazy_tls = next(p for p in threadgraph.patches() if p["name"] == "lazy_tls")
+    return {"outcome": box.get("outcome"), "get_obj_asserts": lazy_tls["applies"]}
 
 
 def one_worker(args):
@@ -80,7 +90,7 @@ def generation(args):
     ``--variant unpatched`` leaves the generation patches out (expected to corrupt or raise).
     Ordered with events, so the interleaving is the same every run.
     """
-    exclude = threadgraph._patches.GENERATION_PATCHES if args.variant == "unpatched" else frozenset()
+    exclude = _generation_patches() if args.variant == "unpatched" else frozenset()
     threadgraph.install(exclude=exclude)
     warm = 4
     a_fwd_done, b_done = threading.Event(), threading.Event()
@@ -104,7 +114,7 @@ def generation(args):
                 torch.cuda.current_stream().synchronize()
                 a_fwd_done.set()
                 assert b_done.wait(300), "B did not finish"
-                manager = threadgraph._compat.cudagraph_trees().get_manager(0, create_if_none_exists=False)
+                manager = _trees().get_manager(0, create_if_none_exists=False)
                 box["a_sees_new_generation"] = bool(manager.in_new_torch_compile_invocation())
             loss.backward()
             opt.step()
@@ -155,7 +165,7 @@ def many(args):
     """N training workers on one GPU vs each alone, and vs the same workers in eager threads.
     ``--variant unpatched`` leaves the generation patches out (hazard global-generation shows)."""
     if args.variant == "unpatched":
-        threadgraph.install(exclude=threadgraph._patches.GENERATION_PATCHES)
+        threadgraph.install(exclude=_generation_patches())
     n, steps = args.workers, args.steps
     alone = []
     for i in range(n):
@@ -226,12 +236,13 @@ def mixed(args):
 
 def capture_failure(args):
     """One worker raises inside a real capture; in a group the rest stop cleanly, alone they carry on."""
-    trees = threadgraph._compat.cudagraph_trees()
+    trees = _trees()
     original_record = trees.CUDAGraphNode._record
 
     def record(self, model, inputs):
-        worker = threadgraph._device.tls.current_worker()
-        if worker is not None and worker.name.startswith("bad"):
+        # A worker's forward graphs are recorded in its own thread, before any of its backward ones
+        # (those in autograd's device thread): a bad worker fails at its first recording.
+        if threading.current_thread().name.startswith("bad"):
             def failing(inputs):
                 model(inputs)  # kernels were captured, then the user's code raises mid-capture
                 raise RuntimeError("injected failure inside capture")

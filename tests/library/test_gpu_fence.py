@@ -1,4 +1,4 @@
-"""GPU tests of the eager fence: each scenario of tests/helpers/gpu_fence_scenarios.py in a fresh process.
+"""GPU tests of the eager fence: each scenario of tests/library/gpu_fence_scenarios.py in a fresh process.
 
 The fence matrix: a plain thread's eager op class beside 3 workers' warm-ups and recordings
 (training and inference), with the fence (nothing raises, the workers' outputs stay right) and
@@ -18,7 +18,7 @@ from tests.helpers.gpu_process import run_json
 from tests.helpers.gpu_process import scenario as _scenario
 
 pytestmark = pytest.mark.gpu
-MODULE = "tests.helpers.gpu_fence_scenarios"
+MODULE = "tests.library.gpu_fence_scenarios"
 RUNS = int(os.environ.get("THREADGRAPH_REPRO_RUNS", "20"))
 UNFENCED_RUNS = 3  # the repro without the fence: how many runs the results file records
 OFFSET = _compat.GENERATOR_CAPTURE_CHECK.decode()

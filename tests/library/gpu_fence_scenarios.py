@@ -1,12 +1,13 @@
 """GPU scenarios for the eager fence, each meant to run in a fresh process.
 
-    python -m tests.helpers.gpu_fence_scenarios repro_123177 [--threads 32] [--variant fenced|unfenced]
-    python -m tests.helpers.gpu_fence_scenarios matrix --ops rng|compiled_rng|sync|host|memory --kind train|infer
+    python -m tests.library.gpu_fence_scenarios repro_123177 [--threads 32] [--variant fenced|unfenced]
+    python -m tests.library.gpu_fence_scenarios matrix --ops rng|compiled_rng|sync|host|memory --kind train|infer
                                               [--variant fenced|unfenced]
 
 Every scenario prints one JSON object as its last line. ``tests/library/test_gpu_fence.py`` runs them in
 subprocesses and asserts on the results; ``--variant unfenced`` leaves the fence's patches out
-(every other patch stays), which shows what the fence is for.
+(every other patch stays), which shows what the fence is for. It lives beside the library's tests
+because it watches the library's own state: the device gate's holders and each thread's captures.
 """
 
 from __future__ import annotations
