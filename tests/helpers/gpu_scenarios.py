@@ -19,7 +19,7 @@ import time
 import torch
 
 import threadgraph
-from tests.helpers.gpu_workers import (BATCH, WIDTH, Inferer, Trainer, _close, _divergence, _steady_seconds, _throughput,
+from tests.helpers.gpu_workers import (BATCH, WIDTH, Inferer, Trainer, close, divergence, steady_seconds, throughput,
                                 checksum, cudagraph_skips, main_thread_reference, make_data, make_model, manual_floor,
                                 run_group)
 
@@ -193,7 +193,7 @@ def many(args):
         "steps": steps,
         "variant": args.variant,
         "together_error": None,
-        "divergence": [_divergence(t.result()["losses"], a.result()["losses"]) for t, a in zip(together, alone)],
+        "divergence": [divergence(t.result()["losses"], a.result()["losses"]) for t, a in zip(together, alone)],
         "alone_twice_equal": again.result()["losses"] == alone[1 % n].result()["losses"],
         "losses_allclose": [
             bool(torch.allclose(torch.tensor(t.result()["losses"]), torch.tensor(a.result()["losses"]), rtol=1e-4, atol=1e-6))
@@ -202,9 +202,9 @@ def many(args):
         "alone_p50_ms": [a.stats.p50_ms for a in alone],
         "together": [t.result() | {"losses": None} for t in together],
         "eager_p50_ms": [e.stats.p50_ms for e in eager],
-        "together_steps_per_s": _throughput(together, _steady_seconds(together)),
+        "together_steps_per_s": throughput(together, steady_seconds(together)),
         "alone_steps_per_s": 1e3 / alone[0].stats.p50_ms,
-        "eager_steps_per_s": _throughput(eager, _steady_seconds(eager)),
+        "eager_steps_per_s": throughput(eager, steady_seconds(eager)),
         "wall_s": {"together": round(wall, 1), "eager": round(eager_wall, 1)},
     }
 
@@ -328,21 +328,21 @@ def whole_step(args):
     for w in shared_alone[1:]:
         run_group([w])
     out = {
-        "losses_allclose_eager": _close(cells["whole-step"].result()["losses"], cells["eager"].result()["losses"]),
-        "params_allclose_eager": _close(cells["whole-step"].params(), cells["eager"].params()),
+        "losses_allclose_eager": close(cells["whole-step"].result()["losses"], cells["eager"].result()["losses"]),
+        "params_allclose_eager": close(cells["whole-step"].params(), cells["eager"].params()),
         # Inductor may fuse differently from eager: compared with a looser tolerance
         "compiled_inner_close_eager": bool(torch.allclose(torch.tensor(cells["whole-step-compiled"].result()["losses"]),
                                                           torch.tensor(cells["eager"].result()["losses"]), rtol=1e-3, atol=1e-5)),
         "p50_ms": {m: w.stats.p50_ms for m, w in cells.items()},
         "floor_ms": floor,
-        "shared_one_gpu_allclose": [_close(a.result()["losses"], b.result()["losses"]) for a, b in zip(shared, shared_alone)],
+        "shared_one_gpu_allclose": [close(a.result()["losses"], b.result()["losses"]) for a, b in zip(shared, shared_alone)],
         "shared_one_gpu_p50_ms": [w.stats.p50_ms for w in shared],
     }
     if n_gpus > 1:
         per_gpu = [Trainer(f"cuda:{i}", 0, steps, mode="whole-step", name=f"gpu-{i}") for i in range(n_gpus)]
         run_group(per_gpu)
         out["per_gpu_p50_ms"] = [w.stats.p50_ms for w in per_gpu]
-        out["per_gpu_allclose"] = [_close(w.result()["losses"], cells["whole-step"].result()["losses"]) for w in per_gpu]
+        out["per_gpu_allclose"] = [close(w.result()["losses"], cells["whole-step"].result()["losses"]) for w in per_gpu]
         trees = [Trainer(f"cuda:{i}", 0, steps, name=f"trees-gpu-{i}") for i in range(n_gpus)]
         run_group(trees)
         out["per_gpu_trees_p50_ms"] = [w.stats.p50_ms for w in trees]

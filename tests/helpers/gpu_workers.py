@@ -154,21 +154,21 @@ def main_thread_reference(seed, steps):
     return torch.stack(losses).cpu().tolist()
 
 
-def _throughput(workers, seconds):
+def throughput(workers, seconds):
     steps = sum(w.stats.steps - w.stats.warmup_steps for w in workers)
     return steps / seconds if seconds else None
 
 
-def _steady_seconds(workers):
+def steady_seconds(workers):
     """Wall time of the steady state, from per-step times (max over workers of p50 * steps)."""
     return max(w.stats.p50_ms * (w.stats.steps - w.stats.warmup_steps) for w in workers) / 1e3
 
 
-def _close(a, b) -> bool:
+def close(a, b) -> bool:
     return bool(torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-4, atol=1e-6))
 
 
-def _divergence(a, b) -> dict:
+def divergence(a, b) -> dict:
     """Where two loss curves part: first step off by more than the tolerance, and the worst gap."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     bad = ~torch.isclose(a, b, rtol=1e-4, atol=1e-6)

@@ -25,7 +25,7 @@ workers (capture needs no other thread), except on the autograd device thread, w
 backward on behalf of a worker that holds nothing. Waits are bounded by ``timeout``; on expiry
 ``GateTimeout`` names the holders instead of hanging.
 
-Work of threads that are not workers is ordered by the eager fence (``_fence.py``): each fenced
+Work of threads that are not workers is ordered by the eager fence (``fence.py``): each fenced
 op (eager RNG, device synchronisation, ``empty_cache``) runs inside :func:`fenced`, a shared slot
 held for that op alone. :func:`fenced` never waits while its thread holds anything (a thread
 with slots on other devices gives them up first, one that holds a gate exclusively runs the op

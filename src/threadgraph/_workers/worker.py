@@ -1,4 +1,4 @@
-"""CompiledWorkerThread: a worker thread with a tiny lifecycle API in the spirit of concurrent.futures (its group: _group.py)."""
+"""CompiledWorkerThread: a worker thread with a tiny lifecycle API in the spirit of concurrent.futures (its group: group.py)."""
 
 from __future__ import annotations
 
