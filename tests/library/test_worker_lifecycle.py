@@ -235,10 +235,19 @@ CTRL_C_TWICE = textwrap.dedent("""
         def step(self):
             time.sleep(0.01)
 
+    class SecondCtrlC(logging.Handler):  # the second Ctrl-C, once the first one's wait has printed that it waits
+        sent = False
+
+        def emit(self, record):
+            if "press Ctrl-C again" in record.getMessage() and not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+
+    logging.getLogger().addHandler(SecondCtrlC())
     group = WorkerGroup([Blocked("cpu", name="blocked"), Quick("cpu", name="quick")])
     group.start()
-    for delay in (1.0, 2.5):  # the first Ctrl-C, then a second one during the wait it starts
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    # the first Ctrl-C, while the main thread waits in join() (it enters it at once)
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
         group.join()
     except KeyboardInterrupt:
