@@ -5,6 +5,7 @@ import torch
 
 import threadgraph
 from threadgraph import CompiledWorkerThread, WorkerError, WorkerGroup
+from tests.helpers.threads import until
 
 
 class Counter(CompiledWorkerThread):
@@ -157,7 +158,6 @@ def sigint_raises_keyboard_interrupt():
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_serial_setups_skips_the_setups_still_waiting(sigint_raises_keyboard_interrupt):
     import signal
-    import time
 
     started = threading.Event()
 
@@ -165,13 +165,13 @@ def test_ctrl_c_during_serial_setups_skips_the_setups_still_waiting(sigint_raise
         def setup(self):
             started.set()
             self.events.append("setup")
-            time.sleep(0.5)
+            until(lambda: self.stopping)  # runs until the Ctrl-C stops the group, however late it comes
 
     workers = [SlowSetup(name=f"slow-{i}") for i in range(4)]
     group = WorkerGroup(workers)
     group.start()
-    started.wait(30)
-    threading.Timer(0.1, signal.raise_signal, (signal.SIGINT,)).start()  # Ctrl-C while setup 1 runs
+    assert started.wait(30), "no setup began"
+    threading.Timer(0.1, signal.raise_signal, (signal.SIGINT,)).start()  # Ctrl-C, once the main thread is in join()
     with pytest.raises(KeyboardInterrupt):
         group.join(30)
     ran = [w.name for w in workers if "setup" in w.events]
