@@ -5,7 +5,8 @@
 Checks that threadgraph is imported from this environment's installed packages (not an editable
 install) and is VERSION; that install() replaces what its active patches name and uninstall() puts
 back the very same objects; and that a function compiled with mode="reduce-overhead" gives the
-eager result when called in a CompiledWorkerThread of a WorkerGroup and in a plain thread. Prints one line per check; exits 1 on the first failure."""
+eager result when called in a CompiledWorkerThread of a WorkerGroup and in a plain thread. Prints one line per check; exits 1
+on the first failure."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ def say(message: str) -> None:
 
 
 def resolve(target: str):
-    """The object a patch target names: ``module:attribute.path``, the last attribute read statically."""
+    """The object a patch target names (``module:attribute.path``); a class's own attribute as stored
+    in the class, not bound or unwrapped."""
     module, _, path = target.partition(":")
     obj = importlib.import_module(module)
     *parents, last = path.split(".")
     for name in parents:
         obj = getattr(obj, name)
-    return inspect.getattr_static(obj, last)
+    return obj.__dict__[last] if inspect.isclass(obj) and last in obj.__dict__ else getattr(obj, last)
 
 
 def check_version(expected: str) -> None:
