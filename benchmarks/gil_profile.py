@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     args.seconds, args.start_step, args.rate = own.seconds, own.start_step, own.rate
     py_spy = pyspy.find()
     if py_spy is None:
-        print("error: py-spy not found; pip install py-spy (or -r benchmarks/requirements.txt)", file=sys.stderr)
+        print("error: py-spy not found; pip install py-spy (in threadgraph's bench extra)", file=sys.stderr)
         return 2
     from examples.dflash_trainer.train import train
 
