@@ -120,8 +120,8 @@ def library_privates_used(paths, root=ROOT) -> list[str]:
     return found
 
 
-def test_the_example_benchmarks_and_tools_use_only_the_librarys_public_api():
-    users = [p for folder in ("examples", "benchmarks", "tools") for p in sorted((ROOT / folder).rglob("*.py"))]
+def test_the_example_and_benchmarks_use_only_the_librarys_public_api():
+    users = [p for folder in ("examples", "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))]
     assert len(users) > 50
     assert not library_privates_used(users), library_privates_used(users)
 

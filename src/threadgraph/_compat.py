@@ -56,6 +56,9 @@ def newer_than_verified(version: str | None = None) -> bool:
     return release(version) > NEWEST_VERIFIED
 
 
+ISSUES_URL = "https://github.com/threadgraph/threadgraph/issues"  # where error messages ask users to report
+
+
 def require(module_path: str, attribute: str) -> Any:
     """Return ``module.attribute`` or raise an error that names the missing symbol."""
     try:
@@ -70,7 +73,7 @@ def require(module_path: str, attribute: str) -> Any:
     except AttributeError:
         raise UnsupportedTorchError(
             f"threadgraph needs {module_path}.{attribute}, which torch {torch.__version__} lacks; "
-            "this torch is not supported (threadgraph supports 2.1 - 2.15), please report it"
+            "this torch is not supported (threadgraph supports 2.1 - 2.15), please report it at " + ISSUES_URL
         ) from None
 
 
@@ -98,7 +101,7 @@ def unsupported_torch(missing: dict[str, list[str]]) -> UnsupportedTorchError:
     return UnsupportedTorchError(
         f"threadgraph: torch {torch.__version__} lacks {listed}; nothing was patched (this torch moved or "
         f"renamed what threadgraph relies on). Use a torch threadgraph supports (2.1 - {verified}) or a "
-        f"threadgraph release that supports this torch, and please report it; `python -m threadgraph doctor` "
+        f"threadgraph release that supports this torch, and please report it at {ISSUES_URL}; `python -m threadgraph doctor` "
         f"lists what is missing.{leave_out}"
     )
 

@@ -12,7 +12,7 @@ VENV="${VENV:-/tmp/dflash-export-ref-venv}"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import speculators" 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e "$ROOT[test,example]"
+  "$VENV/bin/pip" install -q -e "$ROOT" -r "$ROOT/tests/requirements.txt"
   "$VENV/bin/pip" install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
   # speculators 0.9.0's requirements, less torchvision and torchaudio (see above)
   "$VENV/bin/pip" install -q aiohttp click "datasets>=4.0.0,<=5.1.0" httpx huggingface-hub \

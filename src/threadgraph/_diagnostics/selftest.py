@@ -116,7 +116,7 @@ def check(kind: str) -> dict:
 def run_all() -> list[dict]:
     results = []
     for kind in ("train", "infer"):
-        proc = subprocess.run([sys.executable, "-m", "threadgraph._selftest", kind], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, "-m", __name__, kind], capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines()
             error = lines[-1] if lines else f"its process exited with {proc.returncode} and wrote nothing on stderr"
