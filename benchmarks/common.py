@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import StepTimer as LibraryStepTimer
-import results_schema
-from small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
+from . import results_schema
+from .small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (a `timeout` around the script) into SystemExit, so subprocess.run kills the
@@ -30,7 +30,18 @@ def exit_on_sigterm() -> None:
 
 def cell_env(tmp: str, cache_dir: str) -> dict:
     """A benchmark cell's environment: ``cache_dir`` as its Inductor cache, else an empty one in ``tmp``."""
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
+    return {**child_env(), "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
+
+
+def child_env() -> dict:
+    """This process's environment, with the repository root first on ``PYTHONPATH``: a child started
+    as ``python -m benchmarks.<module>`` imports this package (and ``examples``) from any folder."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def module_command(module: str) -> list:
+    """The command that runs ``benchmarks/<module>.py`` as a script, in a fresh process."""
+    return [sys.executable, "-m", f"benchmarks.{module}"]
 
 
 def wait_or_stop(proc: subprocess.Popen, timeout: float) -> Optional[tuple]:
@@ -92,9 +103,9 @@ def finish_cell(out_path: str, result, default=None) -> None:
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled threadgraph
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+# Where a run writes unless given --out-dir: a scratch folder git ignores, so that a trial run never
+# reaches the committed results (``--out-dir benchmarks/results`` for a run meant to be committed).
+SCRATCH = Path("bench-out")
 
 WIDTH, DEPTH, BATCH = 512, 24, 16  # the launch-bound model of the H200 measurements
 CPU_WIDTH, CPU_DEPTH = 128, 6  # CPU reduced form
@@ -115,7 +126,6 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "date": datetime.date.today().isoformat(),
-        "host": platform.node(),
     }
 
 
@@ -131,9 +141,26 @@ def results_stem(env: dict, theme: str) -> str:
 
 
 def results_dir(out_dir: Optional[str]) -> Path:
-    path = Path(out_dir) if out_dir else RESULTS
+    """``--out-dir``, else the scratch folder; created if missing."""
+    path = Path(out_dir) if out_dir else SCRATCH
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def add_out_dir(parser) -> None:
+    """The ``--out-dir`` flag every benchmark takes, worded once."""
+    parser.add_argument("--out-dir", help=f"results folder (default ./{SCRATCH}, ignored by git; "
+                                          "--out-dir benchmarks/results for a run to commit)")
+
+
+def shown(path) -> str:
+    """A path as results files and messages give it: relative to the working directory when inside
+    it, else its last two parts, never the machine's absolute path."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(Path(*path.parts[-2:])) if len(path.parts) > 1 else path.name
 
 
 # -- the small launch-bound model -----------------------------------------------------------------
@@ -258,11 +285,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def write_json(path: Path, data) -> Path:
-    """Write a results file, checked against its theme's schema first (results_schema.write)."""
-    return results_schema.write(path, data)
 
 
 def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:

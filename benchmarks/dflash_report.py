@@ -1,12 +1,5 @@
 """The report of ``dflash_throughput.py``: the headline figures computed from its cells, and the
-markdown that presents them (both go into the results JSON / .md; ``render.py`` reads the JSON).
-
-    python -m benchmarks dflash-report benchmarks/results/dflash-throughput-*.json
-
-recomputes the figures and the .md of results files from the cells' measurements they hold, with
-this version's definitions (for files written before a definition changed); the measurements, the
-cells' own dicts, are left as they are.
-"""
+markdown that presents them (both go into the results JSON / .md; ``render.py`` reads the JSON)."""
 
 from __future__ import annotations
 
@@ -14,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import common
-from headlines import RESTART, target_ratio
-import results_schema
-from results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable, timed_alike
+from . import common
+from .headlines import RESTART, target_ratio
+from . import results_schema
+from .results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable, timed_alike
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 
 
@@ -273,32 +266,3 @@ def _random_shapes():
     from examples.dflash_trainer.assets.shapes import SHAPES
 
     return SHAPES
-
-
-def rerender(path: Path) -> None:
-    """Rewrite the figures of one results JSON and its .md from its cells' measurements."""
-    from examples.dflash_trainer.config import TrainConfig
-
-    try:
-        data = results_schema.load(path).data
-    except results_schema.ResultsError as exc:
-        raise SystemExit(f"not a dflash_throughput results file: {exc}")
-    try:
-        cfg = TrainConfig.from_dict(data["config"])
-        cells, env, shape = (data["threaded"], data["sequential"]), data["env"], data["shape"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SystemExit(f"{path}: not a dflash_throughput results file this version can re-render "
-                         f"(written by an older one?): {type(exc).__name__}: {exc}")
-    estimate = data.get("memory_estimate_gib_by_part")
-    figures = headline(cfg, *cells, env["gpu"] is not None, data.get("processes"), estimate)
-    text = report(env, cfg, shape, *cells, figures, data.get("processes"), estimate)
-    common.write_json(path, {**data, **figures})
-    path.with_suffix(".md").write_text(text)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    for name in sys.argv[1:]:
-        rerender(Path(name))
-        print(f"rewrote {name} and its .md")

@@ -10,12 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import thread_profile  # noqa: E402
-from results_schema import AS_THREADED  # noqa: E402
+from . import common
+from . import thread_profile
+from .results_schema import AS_THREADED
 
-import torch  # noqa: E402
+import torch
 
 PROBE_ROUNDS = 5  # rounds of the host-time probe, and again of the GPU-time probe
 

@@ -47,19 +47,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import dflash_processes  # noqa: E402
-import dflash_report  # noqa: E402
-import dflash_sequential  # noqa: E402
-import thread_profile  # noqa: E402
-from results_schema import EMPTY, SHARED  # noqa: E402
+from . import common
+from . import results_schema
+from . import dflash_processes
+from . import dflash_report
+from . import dflash_sequential
+from . import thread_profile
+from .results_schema import EMPTY, SHARED
 
-import torch  # noqa: E402
+import torch
 
-from examples.dflash_trainer.run.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
-from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
-from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
+from examples.dflash_trainer.run.metrics import LOG_EVERY  # (the trainer's tokens/s window)
+from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput
+from examples.dflash_trainer.assets.shapes import SHAPES
 
 
 MIN_CLEAN_WINDOWS = 2  # steady windows no profiler touched, at the least, for a profiled run
@@ -179,7 +179,7 @@ def graphs(args) -> str:
 
 
 def run_cell_subprocess(args, name: str, cfg, cache_dir: str) -> dict:
-    return common.run_cell([sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
+    return common.run_cell([*common.module_command("dflash_throughput"), *args.argv, "--cell", name,
                             "--cell-config", json.dumps(cfg.to_dict()), "--cell-out"], cache_dir, args.cell_timeout)
 
 
@@ -215,7 +215,7 @@ def parse_args(argv=None):
                    help="GPU: profile this many seconds of the threaded run's steady state, attributing the device's "
                         "kernels to the threads that launched them (0: off; default %(default)s)")
     p.add_argument("--cell-timeout", type=int, default=600)
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--cell", choices=("threaded", "sequential"), help=argparse.SUPPRESS)
     p.add_argument("--cell-config", help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
@@ -287,13 +287,12 @@ def main(argv=None) -> int:
     print(text)
     out = common.results_dir(args.out_dir)
     stem = common.results_stem(env, theme(args))
-    common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
+    results_schema.write(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
                                              "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
                                              "shape": shape, "graphs": graphs(args),
                                              "target_params": dflash_report.target_params(args.assets, args.target_shape),
                                              "memory_estimate_gib_by_part": estimate,
-                                             **results, **figures})
-    (out / f"{stem}.md").write_text(text)
+                                             **results, **figures}, text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
 

@@ -20,10 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import gpu_scenarios_results  # noqa: E402
-import results_schema  # noqa: E402
+from . import common
+from . import gpu_scenarios_results
+from . import results_schema
 
 MODULE = "tests.helpers.gpu_fence_scenarios"
 OP_CLASSES = ("rng", "compiled_rng", "sync", "host", "memory")
@@ -71,8 +70,7 @@ def collect(folder: Path, out_dir: Path) -> Path:
     data = {"gpu": results_schema.machine_of(gpu), "torch": torch_version.split("+")[0], "date": env["date"],
             "cells": cells, "repro": repro}
     path = out_dir / f"{results_schema.stem(env, 'fence-matrix')}.json"
-    results_schema.write(path, data)
-    path.with_suffix(".md").write_text(render(data))
+    results_schema.write(path, data, render(data))
     return path
 
 
@@ -121,7 +119,7 @@ def render(data: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     args = p.parse_args(argv)
     if not args.folder.is_dir():
         p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")

@@ -26,13 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import results_schema  # noqa: E402
-from small_model import allow_recompiles, mlp  # noqa: E402
+from . import common
+from . import results_schema
+from .small_model import allow_recompiles, mlp
 
-import threadgraph  # noqa: E402
+import threadgraph
 
 EAGER_PATH_PATCHES = ("fence_rng", "fence_synchronize")
 
@@ -115,7 +113,7 @@ def main(argv=None) -> None:
     p.add_argument("--phases", type=int, default=10, help="alternating phases, fenced first (even count)")
     p.add_argument("--phase-seconds", type=float, default=0.6)
     p.add_argument("--warmup", type=int, default=10, help="steps before timing (compile and capture)")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    common.add_out_dir(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("fence_overhead.py needs a CUDA GPU: it times CUDAGraph Trees replays")
@@ -138,10 +136,8 @@ def main(argv=None) -> None:
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['task']} | {r['workers']} | {r['fenced_p50_ms']} | {r['unfenced_p50_ms']} | "
               f"{r['ratio_fenced_over_unfenced']} | {r['steps']['fenced']}, {r['steps']['unfenced']} |" for r in rows]
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results_schema.write(out / f"{stem}.json", {**meta, "rows": rows})
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    out = common.results_dir(args.out_dir)
+    results_schema.write(out / f"{stem}.json", {**meta, "rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -29,10 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import dflash_throughput  # noqa: E402
-import pyspy  # noqa: E402
+from . import common
+from . import results_schema
+from . import dflash_throughput
+from . import pyspy
 
 def thread_kind(name: str) -> str:
     return name.split("-")[0] if re.match(r"^(target|drafter)-\d+$", name) else name
@@ -146,11 +146,10 @@ def main(argv=None) -> int:
             shutil.copy(Path(run_dir, f"{name}.txt"), out / f"{stem}_{name}.txt")
     text = report(summary, args, env, seconds)
     print(text)
-    common.write_json(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
+    results_schema.write(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
                                              "recorded_seconds": seconds, **summary,
                                              "tokens_per_s_steady": results.tokens_per_s_steady,
-                                             "workers": results.to_json()["workers"]})
-    (out / f"{stem}.md").write_text(text)
+                                             "workers": results.to_json()["workers"]}, text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
 

@@ -28,10 +28,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import headlines  # noqa: E402
-import results_schema  # noqa: E402
+from . import common
+from . import headlines
+from . import results_schema
 
 MODULE = "tests.helpers.gpu_scenarios"
 TRAINER = "examples.dflash_trainer"
@@ -145,8 +144,7 @@ def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> 
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
     text = render(data, env)  # before writing anything: a failure leaves the file as it was
-    common.write_json(path, data)
-    path.with_suffix(".md").write_text(text)
+    results_schema.write(path, data, text)
     return path
 
 
@@ -218,7 +216,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", type=Path, nargs="+", metavar="folder", help="the folder THREADGRAPH_GPU_LOG named")
     p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
     p.add_argument("--unreached", action="store_true",
                    help="print the GPU tests that none of the folders' junit.xml has an outcome for, one node id "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from results_schema import family, startup_comparable, trainer_runs_of
+from .results_schema import family, startup_comparable, trainer_runs_of
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}

@@ -33,13 +33,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported by path
-import headlines  # noqa: E402
-import projection  # noqa: E402
-import results_index  # noqa: E402
-import results_schema as schema  # noqa: E402
-from headlines import RESTART, target_ratio  # noqa: E402
-from results_schema import Results, ResultsError, sequential_training, startup_comparable, timed_alike  # noqa: E402
+from . import headlines
+from . import projection
+from . import results_index
+from . import results_schema as schema
+from .headlines import RESTART, target_ratio
+from .results_schema import Results, ResultsError, sequential_training, startup_comparable, timed_alike
 
 ROOT = Path(__file__).resolve().parent.parent
 # The themes of docs/results.md's other results, in its order, each from its newest file; a scenarios

@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import common
-from replay_work import DFLASH_SIZES, MODES, TASKS
+from . import common
+from . import results_schema
+from .replay_work import DFLASH_SIZES, MODES, TASKS
 
 PLACEMENTS = ("main", "worker", "per-gpu", "shared", "procs-per-gpu", "procs-shared")
 TASK_TITLES = {"train": "Training step (forward + backward + optimizer)", "infer": "Inference step (forward)"}
@@ -162,7 +163,7 @@ def write_results(args, env: dict, rows: list[dict], started: float, interrupted
         rows = merge_previous(Path(args.merge_from) if args.merge_from else out / f"{stem}.json", rows)
     rows = in_order(rows)
     add_ratios(rows)
-    common.write_json(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
+    results_schema.write(out / f"{stem}.json", {"benchmark": "replay_step_time", "env": env, "args": vars(args),
                                              "seconds": round(time.perf_counter() - started, 1),
                                              "interrupted": interrupted, "rows": rows})
     print(write_views(out / stem, args, env, rows, interrupted))
@@ -172,7 +173,7 @@ def write_results(args, env: dict, rows: list[dict], started: float, interrupted
 def write_views(stem: Path, args, env: dict, rows: list[dict], interrupted: bool) -> str:
     """The markdown report and the plot beside a results JSON; returns the report."""
     text = report(args, env, rows, interrupted)
-    Path(f"{stem}.md").write_text(text)
+    Path(f"{stem}.md").write_text(results_schema.neutral(text))
     common.bar_plot(Path(f"{stem}.png"), plot_groups(rows, present_tasks(rows)),
                     f"per-thread step time, {env['gpu'] or 'CPU reduced form'}, torch {env['torch']}")
     return text

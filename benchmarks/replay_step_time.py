@@ -31,13 +31,12 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import pyspy  # noqa: E402
+from . import common
+from . import pyspy
 
-import torch  # noqa: E402
-from replay_report import PLACEMENTS, render, write_results  # noqa: E402
-from replay_work import CPU_MODES, MODES, TASKS, Plan  # noqa: E402
+import torch
+from .replay_report import PLACEMENTS, render, write_results
+from .replay_work import CPU_MODES, MODES, TASKS, Plan
 
 BARRIER_TIMEOUT_S = 900
 
@@ -274,9 +273,10 @@ def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, tas
     """A fresh process per cell: a failed capture can leave CUDA state (the RNG, the allocator) broken."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
-        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", mode, key, task, "--cell-out", str(out)]
+        cmd = [*common.module_command("replay_step_time"), *args.argv, "--cell", mode, key, task, "--cell-out", str(out)]
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  timeout=args.cell_timeout, env=common.child_env())
         except subprocess.TimeoutExpired:
             error = f"timed out after {args.cell_timeout} s"
         else:
@@ -303,7 +303,7 @@ def parse_args(argv=None):
                    help="what capture_step captures: the eager step or a torch.compile(default) one")
     p.add_argument("--quick", action="store_true", help="few steps, no process placements (CI smoke test)")
     p.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell subprocess")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--append", action="store_true",
                    help="merge into today's results file, replacing only the cells measured again (to split a "
                         "GPU run into several commands, e.g. one per --modes)")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported by path
-import headlines  # noqa: E402
-import results_schema as schema  # noqa: E402
+from . import headlines
+from . import results_schema as schema
 
 
 def index(folder: Path) -> str:

@@ -240,11 +240,40 @@ def misnamed(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name != INDEX and parse_name(p.name) is None)
 
 
-def write(path: Path, data: dict) -> Path:
-    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent)."""
+# An absolute path as results files must not hold one: a '/' that starts a word (not a URL's, a
+# relative path's or a ratio's), then one or more path parts.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/<>~-])/[\w.+-]+(?:/[\w.+-]+)*/?")
+
+
+def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent) -> Any:
+    """``value`` (text, or JSON data: every string in it) with each absolute path made relative to
+    the repository root (inside it) or cut to its last part (outside it: a cache, a temporary
+    folder), so that no results file names the folders of the machine that wrote it."""
+    if isinstance(value, dict):
+        return {neutral(k, root): neutral(v, root) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [neutral(v, root) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def shown(found: re.Match) -> str:
+        path = Path(found.group(0))
+        try:
+            return str(path.relative_to(root)) if path != root else "."
+        except ValueError:
+            return path.name or "."
+    return ABSOLUTE_PATH.sub(shown, value)
+
+
+def write(path: Path, data: dict, report: Optional[str] = None) -> Path:
+    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent), and
+    ``report`` beside it as the ``.md``; neither holds an absolute path (``neutral``)."""
     path = Path(path)
-    validate(path.name, json.loads(json.dumps(data, default=str)))
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    data = neutral(json.loads(json.dumps(data, default=str)))
+    validate(path.name, data)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    if report is not None:
+        path.with_name(path.name[:-len(".json")] + ".md").write_text(neutral(report))
     return path
 
 

@@ -21,12 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import results_schema  # noqa: E402
-import trainer_process  # noqa: E402
+from . import common
+from . import results_schema
+from . import trainer_process
 
-from examples.dflash_trainer.assets.assets import default_assets  # noqa: E402
+from examples.dflash_trainer.assets.assets import default_assets
 
 _RUN = "tau-run.json"
 _VARYING = ("timings",)  # report keys that differ by build duration, not by content
@@ -98,7 +97,7 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--caches", nargs="+", type=Path, required=True, help="one cache directory per build (>= 2)")
     p.add_argument("--train", type=int, default=2, help="train on the first N builds (default 2)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     args = p.parse_args(argv)
     if len(args.caches) < 2 or len(set(args.caches)) != len(args.caches):
         p.error("--caches needs at least two different directories: one build is not a comparison")
@@ -108,7 +107,6 @@ def main(argv=None, prog=None) -> int:
     print(text)
     out = common.results_dir(args.out_dir)
     stem = results_schema.stem(env, "dflash-tau-reproducibility")
-    results_schema.write(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
-    (out / f"{stem}.md").write_text(text)
+    results_schema.write(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result}, text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0

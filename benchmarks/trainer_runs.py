@@ -1,16 +1,11 @@
-"""DFlash trainer runs, each in a fresh process: its startup, an A/B of source trees, tau reproducibility.
+"""DFlash trainer runs, each in a fresh process: its startup, and tau reproducibility.
 
-    python -m benchmarks trainer-runs --mode startup [ARGS ...]   # alias: trainer-startup
-    python -m benchmarks trainer-runs --mode ab [ARGS ...]        # alias: dflash-ab
-    python -m benchmarks trainer-runs --mode tau [ARGS ...]       # alias: tau-reproducibility
-    python -m benchmarks trainer-runs --mode MODE --help          # the mode's own flags
+    python -m benchmarks trainer-startup [ARGS ...]        # python -m benchmarks.trainer_runs --mode startup
+    python -m benchmarks tau-reproducibility [ARGS ...]    # python -m benchmarks.trainer_runs --mode tau
 
 - ``startup`` (trainer_startup.py): the README's main job to its first steady step, each run on an
   empty Inductor cache (Trees, whole-step, then Trees again on Trees' cache, as a restart), with
   each worker's compile seconds and Dynamo's recompilations; ``dflash-trainer-startup`` results.
-- ``ab`` (dflash_ab.py): ``dflash_throughput.py`` of two or more source trees on one machine in
-  turns (A, B, A, B), every run listed with the sequential loop's host ms per batch beside it:
-  whether a change is slower or the machine was; ``dflash-ab-<target>-<graphs>`` results.
 - ``tau`` (tau_reproducibility.py): fresh builds of the embedded default compared bit for bit,
   and the default trainer's tau with its baselines on some of them; ``dflash-tau-reproducibility``.
 
@@ -22,12 +17,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = {"startup": "trainer_startup", "ab": "dflash_ab", "tau": "tau_reproducibility"}
-PROG = "python -m benchmarks trainer-runs"
+MODES = {"startup": "trainer_startup", "tau": "tau_reproducibility"}
+PROG = "python -m benchmarks.trainer_runs"
 
 
 def split_mode(argv: list) -> tuple:
@@ -53,7 +46,7 @@ def main(argv=None) -> int:
         print(f"usage: {PROG} --mode {{{','.join(MODES)}}} [ARGS ...]\nerror: --mode {mode}: give one of "
               f"{', '.join(MODES)}", file=sys.stderr)
         return 2
-    return importlib.import_module(MODES[mode]).main(rest, prog=f"{PROG} --mode {mode}")
+    return importlib.import_module(f".{MODES[mode]}", __package__).main(rest, prog=f"{PROG} --mode {mode}")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import results_schema  # noqa: E402
-import trainer_process  # noqa: E402
+from . import common
+from . import results_schema
+from . import trainer_process
 
 THEME = "dflash-trainer-startup"
 GRAPHS = {"trees": "Trees", "whole-step": "whole-step"}
@@ -44,7 +43,7 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--label", default="", help="words in every run's name (which code ran, say: 'after X')")
     p.add_argument("--append", action="store_true", help="add the runs to today's results file (same name: replaced)")
     p.add_argument("--timeout", type=int, default=900, help="seconds one run may take (default %(default)s)")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--report", type=Path, metavar="JSON", help="only write the .md of this results file again")
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for every trainer run")
     args = p.parse_args(argv)
@@ -170,7 +169,7 @@ RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-runs
 
 def write_report(path: Path, data: dict) -> str:
     text = report(data, path)
-    path.with_suffix(".md").write_text(text)
+    results_schema.write(path, data, text)
     print(f"wrote {path.with_suffix('.md')}", file=sys.stderr)
     return text
 
@@ -189,6 +188,5 @@ def main(argv=None, prog=None) -> int:
     if replaced:
         print(f"replacing the earlier runs {', '.join(replaced)} in {path}", file=sys.stderr)
     data = {"recorded_by": RECORDED_BY, "env": env, **data, **runs}
-    results_schema.write(path, data)
     print(write_report(path, data))
     return 1 if any("error" in run for run in runs.values()) else 0
