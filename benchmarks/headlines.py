@@ -27,10 +27,16 @@ def target_ratio(devices: Optional[str], visible_gpus: Optional[int]) -> float:
 
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
 
+def device_word(data: dict) -> str:
+    """'GPU' for a run on a GPU, 'CPU' for a CPU run: what its placements are named by."""
+    return "GPU" if (data.get("env") or {}).get("gpu") else "CPU"
+
+
 def replay(data: dict) -> list:
     """Per-thread p50 of one worker; two workers one per GPU against it (the scaling target), with
-    the steps/s of both and of two processes; three workers sharing one GPU, in steps/s."""
+    the steps/s of both and of two processes; M workers sharing one device, in steps/s."""
     rows = {(r["task"], r["placement"], r["mode"]): r for r in data["rows"] if r.get("p50_ms") is not None}
+    device = device_word(data)
     out = []
     for (task, placement, mode), row in rows.items():
         if placement != "worker":
@@ -43,7 +49,7 @@ def replay(data: dict) -> list:
         if procs is not None:
             figure += f"; 2 processes one per GPU {procs['steps_per_s']:.0f} steps/s"
         if shared is not None:
-            figure += f"; {shared['workers']} workers on one GPU {shared['steps_per_s']:.0f} steps/s"
+            figure += f"; {shared['workers']} workers on one {device} {shared['steps_per_s']:.0f} steps/s"
         if row.get("gil_busy") is not None:
             figure += f"; GIL busy {float(row['gil_busy']):.0%}"
         out.append((f"{task}, {MODE_NAMES.get(mode, mode)}", figure))
@@ -52,7 +58,8 @@ def replay(data: dict) -> list:
 
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
-    gpus = len(data["sequential"].get("devices", [])) or 1
+    devices = len(data["sequential"].get("devices", [])) or 1
+    device = device_word(data)
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
               f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
     if data.get("gpu_bound_tokens_per_s"):
@@ -61,7 +68,7 @@ def dflash_throughput(data: dict) -> list:
         figure += (f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
                    + ("" if startup_comparable(data["sequential"]) else f" ({RESTART})"))
     target = f"{data['shape']} target, " if "shape" in data else ""
-    return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
+    return [(f"{target}{MODE_NAMES.get(mode, mode)}, {devices} {device}{'s' if devices > 1 else ''}", figure)]
 
 
 def _kilo(value) -> str:
@@ -71,20 +78,6 @@ def _kilo(value) -> str:
 
 def _fixed(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def dflash_ab(data: dict) -> list:
-    """One row per tree: the range of its runs, taken in turns with the other trees on one machine."""
-    mode = MODE_NAMES.get(data["graphs"], data["graphs"])
-
-    def span(t, key, scale, fmt):
-        lo, hi = (format(t[f"{key}_{end}"] / scale, fmt) for end in ("min", "max"))
-        return lo if lo == hi else f"{lo} - {hi}"
-
-    return [(f"{data['shape']} target, {mode}: tree {name}, {t['runs']} run{'s' if t['runs'] > 1 else ''}",
-             f"threaded {span(t, 'tokens_per_s_threaded', 1e3, '.0f')}k tokens/s, sequential "
-             f"{span(t, 'tokens_per_s_sequential', 1e3, '.0f')}k; sequential host {span(t, 'host_gil_ms_per_batch', 1, '.2f')} ms/batch")
-            for name, t in data["trees"].items()]
 
 
 def tau_reproducibility(data: dict) -> list:
@@ -97,7 +90,8 @@ def tau_reproducibility(data: dict) -> list:
 def _trainer_run(name: str, run: dict) -> tuple:
     gpus = len(set(re.findall(r"cuda:\d+", run["placement"])))
     base = run["baseline"]
-    return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {gpus} GPU{'s' if gpus > 1 else ''}",
+    where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
+    return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {where}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
             f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s"
             + _startup(run))
@@ -194,35 +188,16 @@ def scenario_headline(scenario: str, result: dict) -> Optional[tuple]:
 
 
 def gpu_scenarios(data: dict) -> list:
-    """Each phase's run of the headline scenarios (a phase is one device call, named by its label)."""
-    out = []
-    for label, phase in data.items():
-        for scenario, result in phase.items():
-            row = scenario_headline(scenario, result)
-            if row is not None:
-                out.append((f"{row[0]} ({label.split(' ')[0]})", row[1]))
-    return out
-
-
-def gpu_scenarios_latest(data: dict) -> list:
     """The headline scenarios, each from the last phase that ran it (phases are in the order they ran)."""
     latest = {scenario: (label, result) for label, phase in data.items() for scenario, result in phase.items()}
     rows = [(label, scenario_headline(scenario, result)) for scenario, (label, result) in latest.items()]
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
-def doctor_selftest(data: dict) -> list:
-    """Each selftest check: its verdict and step time."""
-    return [(f"doctor --selftest: {c['check']}", ("PASS" if c["passed"] else "FAIL")
-             + (f", step p50 {c['p50_ms']:.3f} ms" if "p50_ms" in c else f": {c.get('error', '')}"))
-            for c in data["checks"]]
-
-
-EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-ab": dflash_ab, "dflash-trainer": dflash_trainer,
+EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
-              "install-overhead": install_overhead, "conformance": conformance,
-              "doctor-selftest": doctor_selftest}
+              "install-overhead": install_overhead, "conformance": conformance}
 
 
 def extractor(theme: str):

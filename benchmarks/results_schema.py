@@ -102,7 +102,6 @@ THEMES: dict[str, dict[str, Any]] = {
     "replay": {"env": dict, "rows": list, "rows[]": {"task": str, "placement": str, "mode": str}},
     "dflash-throughput": {"env": dict, "shape": str, "graphs": str, "args": dict, "threaded": dict,
                           "sequential": dict, "ratio": OPTIONAL_NUMBER},
-    "dflash-ab": {"env": dict, "shape": str, "graphs": str, "runs": list, "trees": dict},
     "dflash-trainer": {},  # one trainer --json output, or runs under names: checked by trainer_runs_of
     "dflash-tau-reproducibility": {"env": dict, "builds": list, "bit_identical": bool, "differing_files": list,
                                    "tau": dict},
@@ -112,7 +111,6 @@ THEMES: dict[str, dict[str, Any]] = {
                                                 "unfenced_p50_ms": NUMBER, "ratio_fenced_over_unfenced": NUMBER}},
     "install-overhead": {"env": dict, "summary": dict},
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
-    "doctor-selftest": {"checks": list, "checks[]": {"check": str, "passed": bool}},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
