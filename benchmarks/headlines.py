@@ -44,10 +44,10 @@ def replay(data: dict) -> list:
         figure = f"1 worker thread {row['p50_ms']:.2f} ms"
         per_gpu, procs, shared = (rows.get((task, p, mode)) for p in ("per-gpu", "procs-per-gpu", "shared"))
         if per_gpu is not None:
-            figure += (f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone; "
+            figure += (f"; {per_gpu['workers']} workers one per {device} {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone; "
                        f"{per_gpu['steps_per_s']:.0f} steps/s together, {row['steps_per_s']:.0f} alone)")
         if procs is not None:
-            figure += f"; 2 processes one per GPU {procs['steps_per_s']:.0f} steps/s"
+            figure += f"; {procs['workers']} processes one per {device} {procs['steps_per_s']:.0f} steps/s"
         if shared is not None:
             figure += f"; {shared['workers']} workers on one {device} {shared['steps_per_s']:.0f} steps/s"
         if row.get("gil_busy") is not None:

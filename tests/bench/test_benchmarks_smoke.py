@@ -134,8 +134,7 @@ def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_
     written = _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json")
     path = tmp_path / written.name
     path.write_text(written.read_text())
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    report = importlib.import_module("dflash_report")
+    report = importlib.import_module("benchmarks.dflash_report")
     report.rerender(path)
     assert path.read_text() == written.read_text()
     assert path.with_suffix(".md").read_text() == written.with_suffix(".md").read_text()
@@ -169,8 +168,7 @@ def test_gil_profile_quick(runs, tmp_path):
 
 def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkeypatch):
     """A timeout (SIGTERM -> SystemExit) mid-run writes the cells already measured, marked interrupted."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    replay = importlib.import_module("replay_step_time")
+    replay = importlib.import_module("benchmarks.replay_step_time")
     calls = []
 
     def fake_cell(args, mode, key, label, workers, task):
@@ -219,8 +217,7 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
 
 def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
     """--merge-from keeps the earlier file's cells not measured again, each row with its own date."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    replay = importlib.import_module("replay_step_time")
+    replay = importlib.import_module("benchmarks.replay_step_time")
 
     def row(placement, mode, p50, **extra):
         return {"task": "train", "placement": placement, "configuration": placement, "mode": mode, "workers": 1,
@@ -246,8 +243,7 @@ def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
 
 def test_pyspy_summaries_from_raw_recordings(tmp_path):
     """GIL-busy = GIL samples / the busiest thread's wall samples; shares by innermost frame and file."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    pyspy = importlib.import_module("pyspy")
+    pyspy = importlib.import_module("benchmarks.pyspy")
     gil = tmp_path / "gil.txt"
     gil.write_text("thread (0x1): bench-0;run (threading.py:10);step (/r/b/replay.py:5) 30\n"
                    "thread (0x2): bench-1;run (threading.py:10);call (/tmp/torchinductor_u/x/abcdefghij.py:7) 10\n")
@@ -263,8 +259,7 @@ def test_pyspy_summaries_from_raw_recordings(tmp_path):
 
 def test_gil_profile_keys_samples_by_what_the_worker_step_called():
     _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    gil_profile = importlib.import_module("gil_profile")
+    gil_profile = importlib.import_module("benchmarks.gil_profile")
     outer = ["_bootstrap (/usr/lib/threading.py:1002)", "run (/r/src/threadgraph/_workers/worker.py:150)",
              "_loop (/r/src/threadgraph/_workers/worker.py:185)", "DrafterWorker.step (/r/examples/dflash_trainer/workers.py:70)"]
     # The optimizer's step() inside the replica's update is not the worker's step.
@@ -294,8 +289,7 @@ def test_gil_profile_keys_samples_by_what_the_worker_step_called():
 def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, capsys, monkeypatch):
     if script == "dflash_throughput":
         _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    module = importlib.import_module(script)
+    module = importlib.import_module(f"benchmarks.{script}")
     monkeypatch.setattr(module.common, "on_gpu", lambda: False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
@@ -311,8 +305,7 @@ def test_dflash_throughput_refuses_a_processes_pipeline_of_one_rank():
 
 
 def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    report = importlib.import_module("dflash_report")
+    report = importlib.import_module("benchmarks.dflash_report")
     path = tmp_path / "dflash-throughput-old_cpu_torch2.13.0_2026-11-01.json"
     path.write_text(json.dumps({"config": {"max_steps": 10}, "threaded": {}, "sequential": {}, "env": {"gpu": None}}))
     with pytest.raises(SystemExit, match=r"not a dflash_throughput results file: dflash-throughput-old_cpu\S*: shape: missing"):
@@ -321,8 +314,7 @@ def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
 
 def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsys, monkeypatch):
     _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    module = importlib.import_module("dflash_throughput")
+    module = importlib.import_module("benchmarks.dflash_throughput")
     from examples.dflash_trainer.assets import shapes
 
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))  # nothing built there yet

@@ -34,9 +34,7 @@ def tiny_config(assets, out_dir):
 
 def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets, tmp_path, monkeypatch):
     threaded = train(tiny_config(tiny_assets, tmp_path / "threaded")).losses
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    bench = importlib.import_module("dflash_sequential")
+    bench = importlib.import_module("benchmarks.dflash_sequential")
     calls = {"target": 0, "drafter": 0, "update": 0}
     stage_step, forward_backward, update = TargetStage.step, DrafterReplica.forward_backward, DrafterReplica.update
 
@@ -79,8 +77,7 @@ def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets,
 
 
 def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds_batches():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    report = importlib.import_module("dflash_report")
+    report = importlib.import_module("benchmarks.dflash_report")
     cfg = TrainConfig(batch_size=4, seq_len=256)
     # drafters on cuda:0, cuda:1, cuda:0: a round is 3 batches; cuda:0 is busy 20 ms of it, cuda:1 12 ms
     sequential = {"tokens_per_s": 1.0, "gpu_ms_per_round_by_device": {"0": 20.0, "1": 12.0}, "batches_per_round": 3,
@@ -96,8 +93,7 @@ def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds
 
 @pytest.mark.parametrize("steps", [40, 50, 60, 100, 101, 200])
 def test_a_profiled_threaded_run_keeps_its_first_steady_windows_apart_and_stops_before_the_drain(steps):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    throughput = importlib.import_module("dflash_throughput")
+    throughput = importlib.import_module("benchmarks.dflash_throughput")
     windows = -(-steps // throughput.LOG_EVERY)  # the first holds warmup, the last the drain
     span = throughput.profile_span(steps)
     if windows - 2 <= throughput.MIN_CLEAN_WINDOWS:
@@ -109,8 +105,7 @@ def test_a_profiled_threaded_run_keeps_its_first_steady_windows_apart_and_stops_
 
 
 def test_the_threaded_cell_leaves_the_profiled_windows_out_of_its_steady_figure(tiny_assets, tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    throughput = importlib.import_module("dflash_throughput")
+    throughput = importlib.import_module("benchmarks.dflash_throughput")
     import time
 
     class Window:  # a profile that costs nothing: when it started and ended, and where
@@ -158,8 +153,7 @@ def test_the_threaded_cell_leaves_the_profiled_windows_out_of_its_steady_figure(
 
 
 def test_the_sequential_loop_takes_the_median_of_whole_windows(tiny_assets, tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    bench = importlib.import_module("dflash_sequential")
+    bench = importlib.import_module("benchmarks.dflash_sequential")
     cfg = tiny_config(tiny_assets, tmp_path / "sequential")
     cfg.max_steps = 36  # 2 warmup rounds, then 29 before the 5 probe rounds: 2 whole windows of 10
     sequential = bench.run_sequential(cfg, warmup_batches=6)
@@ -170,8 +164,7 @@ def test_the_sequential_loop_takes_the_median_of_whole_windows(tiny_assets, tmp_
 
 @pytest.mark.parametrize("steps", ["10", "105"])
 def test_the_throughput_benchmark_takes_whole_windows_of_steps(steps, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    throughput = importlib.import_module("dflash_throughput")
+    throughput = importlib.import_module("benchmarks.dflash_throughput")
     with pytest.raises(SystemExit) as exited:
         throughput.parse_args(["--steps", steps])
     assert exited.value.code == 2

@@ -9,11 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-fence_matrix = importlib.import_module("fence_matrix")
-headlines = importlib.import_module("headlines")
-schema = importlib.import_module("results_schema")
+from benchmarks import fence_matrix
+from benchmarks import headlines
+from benchmarks import results_schema as schema
 
 NOON = 1764590400  # 2025-12-01 12:00 UTC
 WHO = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}

@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import gpu_process
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the script runs
-collector = importlib.import_module("gpu_scenarios_results")
-headlines = importlib.import_module("headlines")
+from tests.helpers import gpu_process
+from benchmarks import gpu_scenarios_results as collector
+from benchmarks import headlines
 
 NOON = 1764590400  # 2025-12-01 12:00 UTC
 MANY = {"together_steps_per_s": 1600.0, "eager_steps_per_s": 150.0, "losses_allclose": [True] * 8,

@@ -9,10 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the scripts run
-thread_profile = importlib.import_module("thread_profile")
-dflash_report = importlib.import_module("dflash_report")
+from benchmarks import thread_profile
+from benchmarks import dflash_report
 
 
 def runtime(tid, name, correlation):

@@ -7,11 +7,9 @@ import sys
 import textwrap
 
 import pytest
-
-sys.path.insert(0, "benchmarks")
-import trainer_process  # noqa: E402
-import trainer_runs  # noqa: E402
-import trainer_startup  # noqa: E402
+from benchmarks import trainer_process
+from benchmarks import trainer_runs
+from benchmarks import trainer_startup
 
 FAKE_TRAINER = textwrap.dedent("""
     import json, os, sys
