@@ -1,7 +1,7 @@
 """The fence-matrix results file, from the records of a GPU test run of the eager fence.
 
-    THREADGRAPH_GPU_LOG=/tmp/fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
-    python -m benchmarks fence-matrix /tmp/fence-log
+    THREADGRAPH_GPU_LOG=fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
+    python -m benchmarks fence-matrix fence-log
 
 ``tests/library/test_gpu_fence.py`` runs each scenario of ``tests/helpers/gpu_fence_scenarios.py`` in a
 fresh process and asserts on it: every cell of the matrix (a plain thread's eager op class beside

@@ -1,7 +1,7 @@
 """The ``gpu-scenarios`` results file, from the records of a GPU test run.
 
-    THREADGRAPH_GPU_LOG=/tmp/gpu-log python -m pytest -m gpu -n 8 --junitxml=/tmp/gpu-log/junit.xml
-    python -m benchmarks gpu-scenarios /tmp/gpu-log --label suite
+    THREADGRAPH_GPU_LOG=gpu-log python -m pytest -m gpu --junitxml=gpu-log/junit.xml
+    python -m benchmarks gpu-scenarios gpu-log --label suite
 
 With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` writes every scenario run's
 record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
@@ -12,10 +12,7 @@ file's ``.md``. The trainer runs of the trainer's GPU tests (``python -m example
 are kept too, each as its mode, steps, losses, steady tokens/s and startup; a folder of trainer runs
 only names its GPU with ``--gpu`` (their records name torch, not the GPU). A run that failed is kept
 as ``{"error": ...}``; with the junit XML in the folder the phase also holds every test's outcome
-(``pytest_outcomes``). ``--unreached FOLDER...`` prints instead the GPU tests that no run of the
-folders reached (a run its step timeout cut short), for ``tools/gpu_evidence.sh tests FILE``.
-``THREADGRAPH_GPU_STEPS=1000``
-gives the 1000-step figures of docs/results.md.
+(``pytest_outcomes``). ``THREADGRAPH_GPU_STEPS=1000`` gives the 1000-step figures of docs/results.md.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -185,52 +181,15 @@ def render(data: dict, env: dict) -> str:
     return "\n".join(lines)
 
 
-def node_id(case_name: str) -> str:
-    """An outcome's name (``tests.library.test_gpu::test_x[3]``) as pytest's node id."""
-    module, _, test = case_name.partition("::")
-    return f"{module.replace('.', '/')}.py::{test}"
-
-
-def unreached(folders: list[Path], collected: list[str]) -> list[str]:
-    """The collected GPU tests that no junit XML of the folders has an outcome for (a run cut short)."""
-    seen = set()
-    for folder in folders:
-        junit = folder / "junit.xml"
-        if not junit.exists():
-            raise SystemExit(f"{junit}: no such file; give the folders of test runs made with --junitxml there")
-        seen.update(node_id(name) for name in outcomes(junit))
-    return [test for test in collected if test not in seen]
-
-
-def collect_gpu_tests() -> list[str]:
-    """pytest's node ids of every GPU test (``-m gpu``), slow ones included."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "tests"], cwd=common.ROOT, capture_output=True, text=True)
-    tests = [line for line in proc.stdout.splitlines() if "::" in line]
-    if proc.returncode not in (0, 5) or not tests:
-        raise SystemExit(f"collecting the GPU tests failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return tests
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", type=Path, nargs="+", metavar="folder", help="the folder THREADGRAPH_GPU_LOG named")
+    p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
     p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
     common.add_out_dir(p)
     p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
-    p.add_argument("--unreached", action="store_true",
-                   help="print the GPU tests that none of the folders' junit.xml has an outcome for, one node id "
-                        "a line (for tools/gpu_evidence.sh tests FILE), and write nothing")
     args = p.parse_args(argv)
-    for folder in args.folders:
-        if not folder.is_dir():
-            p.error(f"{folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
-    if args.unreached:
-        print("\n".join(unreached(args.folders, collect_gpu_tests())))
-        return 0
-    if len(args.folders) != 1:
-        p.error("give one folder (several only with --unreached)")
-    args.folder = args.folders[0]
+    if not args.folder.is_dir():
+        p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
     if not args.label or " " in args.label:
         p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
     path = collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)

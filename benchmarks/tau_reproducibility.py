@@ -2,7 +2,7 @@
 compare the builds bit for bit, and train the default drafter on some of them: acceptance length
 tau with its baselines per build.
 
-    python -m benchmarks tau-reproducibility --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
+    python -m benchmarks tau-reproducibility --caches tau/a tau/b tau/c --train 2
 
 Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, about 3 minutes
 on 2 CPU cores; a complete one is reused). The first ``--train`` of them get a default trainer run

@@ -31,8 +31,8 @@ def _env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
 
 
-def _start(script, out_dir, *extra):
-    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra, "--out-dir", str(out_dir)],
+def _start(module, out_dir, *extra):
+    return subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", "--quick", *extra, "--out-dir", str(out_dir)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -40,10 +40,10 @@ def _start(script, out_dir, *extra):
 def runs(tmp_path_factory):
     """Both scripts, started at once; each test waits for its own."""
     base = tmp_path_factory.mktemp("bench")
-    procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay"),
+    procs = {"replay": (_start("replay_step_time", base / "replay"), base / "replay"),
              # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
              # With the processes pipeline: 2 gloo ranks under torchrun.
-             "dflash": (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
+             "dflash": (_start("dflash_throughput", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
                         base / "dflash")}
     yield procs
     for proc, _ in procs.values():
@@ -58,8 +58,8 @@ def _finish(proc, timeout=240):
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"{proc.args[1]} did not finish in {timeout} s:\n{err[-3000:]}")
-    assert proc.returncode == 0, f"{proc.args[1]} exited {proc.returncode}:\n{err[-3000:]}"
+        pytest.fail(f"{proc.args[2]} did not finish in {timeout} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{proc.args[2]} exited {proc.returncode}:\n{err[-3000:]}"
     return out
 
 
@@ -124,28 +124,24 @@ def test_dflash_throughput_quick(runs):
     assert "threaded / processes tokens/s" in stdout
 
 
-def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_path):
-    """dflash_report.py FILE: a file this version wrote comes back byte for byte; one whose
-    sequential cell ran on the threaded cell's cache loses its startup ratio."""
-    _require_trainer()
-    procs = runs
-    proc, out_dir = procs["dflash"]
-    _finish(proc)
-    written = _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json")
-    path = tmp_path / written.name
-    path.write_text(written.read_text())
-    report = importlib.import_module("benchmarks.dflash_report")
-    report.rerender(path)
-    assert path.read_text() == written.read_text()
-    assert path.with_suffix(".md").read_text() == written.with_suffix(".md").read_text()
-    data = json.loads(path.read_text())
-    assert data["startup_ratio"] == data["startup_s_threaded"] / data["startup_s_sequential"]
-    data["sequential"]["inductor_cache"] = "the threaded cell's (a restart)"
-    path.write_text(json.dumps(data))
-    report.rerender(path)
-    assert json.loads(path.read_text())["startup_ratio"] is None
-    assert ("## Startup: threaded / sequential not comparable (the sequential cell started on the threaded "
-            "cell's cache" in path.with_suffix(".md").read_text())
+def test_the_written_results_hold_no_absolute_path(runs):
+    """The target's cache, the trainer's out-dir and the like are written relative to the repository
+    or as their last part (results_schema.write)."""
+    from benchmarks.results_schema import ABSOLUTE_PATH
+
+    for proc, out_dir in runs.values():
+        _finish(proc)
+        written = [p for p in out_dir.iterdir() if p.suffix in (".json", ".md")]
+        assert len(written) >= 2
+        assert {p.name: ABSOLUTE_PATH.findall(p.read_text()) for p in written} == {p.name: [] for p in written}
+
+
+def test_a_run_without_out_dir_writes_to_the_scratch_folder(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.chdir(tmp_path)
+    assert common.results_dir(None).resolve() == tmp_path / "bench-out" and (tmp_path / "bench-out").is_dir()
+    assert common.results_dir(str(tmp_path / "mine")) == tmp_path / "mine"
 
 
 def test_gil_profile_quick(runs, tmp_path):
@@ -153,7 +149,7 @@ def test_gil_profile_quick(runs, tmp_path):
     procs = runs
     for proc, _ in procs.values():  # after the other two: two cores
         proc.wait(timeout=300)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gil_profile.py"), "--quick", "--steps", "200", "--start-step", "30",
+    cmd = [sys.executable, "-m", "benchmarks.gil_profile", "--quick", "--steps", "200", "--start-step", "30",
            "--seconds", "3", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     if proc.returncode != 0 and any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "py-spy not found")):
@@ -192,7 +188,7 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     """--gil-profile records the thread cells with py-spy; --render rebuilds the same report from the JSON."""
     for proc, _ in runs.values():  # after the other scripts: two cores
         proc.wait(timeout=300)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--quick", "--tasks", "train", "--modes",
+    cmd = [sys.executable, "-m", "benchmarks.replay_step_time", "--quick", "--tasks", "train", "--modes",
            "eager", "--placements", "main,worker", "--gil-profile", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     if any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "needs py-spy")):
@@ -210,7 +206,7 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     before = md.read_text()
     assert "## Where the GIL goes" in before and "eager, 1 worker thread: GIL busy" in before
     md.unlink()
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--render",
+    subprocess.run([sys.executable, "-m", "benchmarks.replay_step_time", "--render",
                     str(_one(tmp_path, "replay-small-gil_cpu_torch*.json"))], cwd=ROOT, env=_env(), check=True, timeout=120)
     assert md.read_text() == before
 
@@ -299,17 +295,9 @@ def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, cap
 
 
 def test_dflash_throughput_refuses_a_processes_pipeline_of_one_rank():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dflash_throughput.py"), "--quick", "--processes", "1"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dflash_throughput", "--quick", "--processes", "1"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--processes 1: give one process per device of --devices cpu, at least 2 (on a CPU" in proc.stderr, proc.stderr
-
-
-def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
-    report = importlib.import_module("benchmarks.dflash_report")
-    path = tmp_path / "dflash-throughput-old_cpu_torch2.13.0_2026-11-01.json"
-    path.write_text(json.dumps({"config": {"max_steps": 10}, "threaded": {}, "sequential": {}, "env": {"gpu": None}}))
-    with pytest.raises(SystemExit, match=r"not a dflash_throughput results file: dflash-throughput-old_cpu\S*: shape: missing"):
-        report.rerender(path)
 
 
 def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsys, monkeypatch):

@@ -167,25 +167,6 @@ def test_an_interrupted_run_says_so_and_its_empty_cases_are_no_tests(tmp_path):
     assert complete.with_suffix(".md").read_text().count("The run did not finish") == 1  # the first phase only
 
 
-def test_unreached_names_the_gpu_tests_no_run_of_the_folders_reached(tmp_path, capsys):
-    log = suite(tmp_path / "log")  # its junit: test_gpu's test_many and test_whole_step
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "junit.xml").write_text('<testsuites><testsuite><testcase classname="tests.trainer.test_gpu_trainer" '
-                                     'name="test_losses[trees]"/><testcase time="0.0"/></testsuite></testsuites>')
-    collected = ["tests/library/test_gpu.py::test_many", "tests/library/test_gpu.py::test_new_shapes",
-                 "tests/trainer/test_gpu_trainer.py::test_losses[trees]", "tests/trainer/test_gpu_trainer.py::test_losses[eager]"]
-    assert collector.unreached([log, other], collected) == ["tests/library/test_gpu.py::test_new_shapes",
-                                                            "tests/trainer/test_gpu_trainer.py::test_losses[eager]"]
-    with pytest.raises(SystemExit, match="junit.xml: no such file"):
-        collector.unreached([tmp_path], collected)
-    # the real collection: every GPU test of this repository, of which the fake runs reached none
-    assert collector.main([str(log), str(other), "--unreached"]) == 0
-    printed = capsys.readouterr().out.split()
-    assert "tests/library/test_gpu_fence.py::test_pytorch_123177_repro_passes_run_after_run_and_every_thread_records_its_own_graph" in printed
-    assert len(printed) > 30 and all("::" in line for line in printed)
-
-
 def test_a_run_interrupted_without_xdist_leaves_only_nameless_cases_and_says_so_too(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text('<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
