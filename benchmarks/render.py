@@ -236,24 +236,6 @@ def table(folder: Path, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def tau_section(folder: Path, prefix: str = "") -> str:
-    """The tau reproducibility run (a CPU benchmark, labelled so): builds and tau with its baselines."""
-    repro = schema.newest(folder, "dflash-tau-reproducibility")
-    if repro is None:
-        return "No tau reproducibility results yet (`python -m benchmarks tau-reproducibility`)."
-    data, env = repro.data, repro.data["env"]
-    runs = [b["run"] for b in data["builds"] if b.get("run")]
-    same = ("bit-identical (SHA-256 of every asset file)" if data["bit_identical"]
-            else f"not bit-identical (differing: {', '.join(data['differing_files'])})")
-    lines = [f"{len(data['builds'])} fresh builds of the embedded default on {env.get('gpu') or 'a CPU'} "
-             f"({env.get('cpus')} CPUs, torch {env.get('torch')}): {same}."]
-    if runs:
-        lines.append(f"Tau of the default trainer run on them: {_span([r['tau'] for r in runs], '{:.3f}')} over {len(runs)} "
-                     f"runs, against {_span([r['tau_random_init'] for r in runs], '{:.3f}')} for a random-init drafter and "
-                     f"{_span([r['tau_repeat_last_token'] for r in runs], '{:.3f}')} for repeating the last token.")
-    return "\n".join(lines + [f"({link(repro, prefix)})"])
-
-
 def _span(values, fmt: str) -> str:
     low, high = fmt.format(min(values)), fmt.format(max(values))
     return low if low == high else f"{low} - {high}"
@@ -319,7 +301,7 @@ def seed_projection(folder: Path, prefix: str = "") -> str:
 # Each page, relative to the repository root, and its generated sections with what renders them.
 PAGES = {
     "README.md": (("readme-headlines", readme_headlines),),
-    "docs/results.md": (("results-headlines", other_headlines), ("dflash-table", table), ("dflash-tau", tau_section)),
+    "docs/results.md": (("results-headlines", other_headlines), ("dflash-table", table)),
     "docs/projection.md": (("seed-projection", seed_projection),),
     "examples/dflash_trainer/README.md": (("dflash-measured", measured),),
 }

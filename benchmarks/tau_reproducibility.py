@@ -4,8 +4,9 @@ tau with its baselines per build.
 
     python -m benchmarks tau-reproducibility --caches tau/a tau/b tau/c --train 2
 
-Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, about 3 minutes
-on 2 CPU cores; a complete one is reused). The first ``--train`` of them get a default trainer run
+Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, whose time
+depends on the machine: examples/dflash_trainer/README.md gives measured ranges; a complete one is
+reused). The first ``--train`` of them get a default trainer run
 (``python -m examples.dflash_trainer --devices cpu --json`` with ``THREADGRAPH_CACHE=DIR``), whose
 tau and baselines are kept in ``DIR/tau-run.json``, so a later call only runs what is missing. The
 report (``dflash-tau-reproducibility_<gpu-or-cpu>_torch<ver>_<date>.{json,md}``) lists each file's

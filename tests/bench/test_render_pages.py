@@ -53,7 +53,6 @@ def _readme(tmp_path):
     (root / "docs" / "projection.md").write_text("# p\n\n<!-- seed-projection:begin -->\n<!-- seed-projection:end -->\n")
     path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
-                    "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\n"
                     "<!-- results-headlines:begin -->\n<!-- results-headlines:end -->\n\nafter\n")
     return path
 
@@ -81,18 +80,7 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert "| 41 / 20 |" in rows[1]  # startup threaded / sequential
     assert "| the threads' own training" in rows[1] and "both sides timed alike |" in rows[1]
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
-    assert "No tau reproducibility results yet" in first
     assert render_readme(argv + ["--check"]) == 0
-    run = {"tau": 2.45, "tau_random_init": 1.01, "tau_repeat_last_token": 1.12, "steps": 256}
-    (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
-        {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0"}, "bit_identical": True,
-         "differing_files": [], "tau": {"min": 2.45, "max": 2.45},
-         "builds": [{"run": run, "report": BUILD_REPORT}, {"run": run}, {"run": None}]}))
-    assert render_readme(argv + ["--check"]) == 1
-    render_readme(argv)
-    tau = readme.read_text().split("<!-- dflash-tau:begin -->")[1]
-    assert "3 fresh builds of the embedded default on a CPU" in tau and "bit-identical" in tau
-    assert "2.450 over 2 runs, against 1.010 for a random-init drafter and 1.120 for repeating" in tau
 
 
 def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
