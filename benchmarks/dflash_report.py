@@ -20,8 +20,8 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
 
     GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
     seq_len per batch over the GPU time of a batch (sequential loop, under torch.profiler): the
-    busiest device's kernel time a round over the round's batches (older files: the busiest device's
-    time for its one batch a round, the limit then times the devices). GIL: the sequential loop's host time per batch (perf_counter
+    busiest device's kernel time a round over the round's batches (a file whose sequential cell
+    trained one batch a device a round: that time, the limit then times the devices). GIL: the sequential loop's host time per batch (perf_counter
     around one batch's Python work, the device synchronised before and after), and the number of GPUs
     one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch.
     Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run."""
@@ -29,7 +29,7 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: Opt
     per_round = sequential.get("gpu_ms_per_round_by_device") or {}
     if per_round:  # a round: one batch a drafter, spread over the devices as the threads' are
         gpu_ms_per_batch, parallel = max(per_round.values()) / sequential["batches_per_round"], 1
-    else:  # files before the loop trained as the threads: one batch a device a round
+    else:  # a sequential cell of one batch a device a round
         per_batch = sequential.get("gpu_ms_per_batch_by_device") or {}
         gpu_ms_per_batch = max(per_batch.values()) if per_batch else None
         parallel = len(sequential.get("devices") or [None])
@@ -141,8 +141,8 @@ def report(env: dict, cfg, shape: str, threaded: dict, sequential: dict, figures
 
 
 def excluded_profile(threaded: dict, sequential: dict) -> str:
-    """What the steady figures say of the profiler: files from before the profile was kept apart
-    (no sequential windows) say nothing, as they did."""
+    """What the steady figures say of the profiler: nothing for a run not timed alike (no sequential
+    windows)."""
     if not timed_alike(sequential):
         return ""
     after = "; the sequential probes come after its timed rounds"

@@ -102,7 +102,7 @@ def last_record_time(records: list[dict]) -> datetime.datetime:
 
 def identity(records: list[dict], gpu: str | None = None) -> tuple[str, str]:
     """The GPU and torch the runs had: one of each, or the records are of several runs. A scenario
-    names them in its result; a trainer run's record names the machine's (older records name only
+    names them in its result; a trainer run's record names the machine's (some records name only
     the torch that built the target, and ``gpu`` the GPU)."""
     seen = set()
     for r in records:

@@ -28,9 +28,9 @@ RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}"
 # A dflash-throughput cell's ``inductor_cache``: the cache it started on.
 EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 # A dflash-throughput sequential cell's ``training``: the threads' own training (their replicas, the
-# mean gradient of a round, one AdamW step a round on each device). Cells without the key stepped one
-# replica a device with AdamW after every batch: more optimizer work than threads that share a device's
-# weights (trainer since commit 672efbc), the same as threads that each stepped their own copy (before).
+# mean gradient of a round, one AdamW step a round on each device). A cell without the key stepped one
+# replica a device with AdamW after every batch: more optimizer work than the threads, whose drafters
+# share a device's weights.
 AS_THREADED = "as threaded"
 
 
@@ -276,8 +276,8 @@ def write(path: Path, data: dict, report: Optional[str] = None) -> Path:
 
 
 def inductor_cache(cell: dict) -> str:
-    """The Inductor cache a dflash-throughput cell started on, also for files from before per-cell
-    caches (which came with ``compile_phases_s``), whose sequential cell ran on the threaded cell's cache."""
+    """The Inductor cache a dflash-throughput cell started on. A cell without ``inductor_cache`` started
+    on an empty one when it has ``compile_phases_s``, else on the threaded cell's."""
     return cell.get("inductor_cache", EMPTY if "compile_phases_s" in cell else SHARED)
 
 
