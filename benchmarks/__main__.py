@@ -22,8 +22,8 @@ HERE = Path(__file__).resolve().parent
 COMMANDS = {
     "step-time": ("measure", "replay_step_time", ()),
     "dflash-throughput": ("measure", "dflash_throughput", ()),
-    "trainer-startup": ("measure", "trainer_runs", ("--mode", "startup")),
-    "tau-reproducibility": ("measure", "trainer_runs", ("--mode", "tau")),
+    "trainer-startup": ("measure", "trainer_startup", ()),
+    "tau-reproducibility": ("measure", "tau_reproducibility", ()),
     "install-overhead": ("measure", "install_overhead", ()),
     "fence-overhead": ("measure", "fence_overhead", ()),
     "gil-profile": ("measure", "gil_profile", ()),
@@ -40,8 +40,6 @@ GROUPS = {
 }
 # A module serving two commands says what each does here; the others' first docstring sentence does.
 SUMMARIES = {
-    "trainer-startup": "The DFlash trainer's startup to its first steady step, each run in a fresh process.",
-    "tau-reproducibility": "Whether fresh builds of the embedded default are bit-identical, and the trainer's tau on them.",
     "readme": "Rewrite the generated figures of README.md, docs/results.md and the trainer's README.",
     "index": "Rewrite benchmarks/results/README.md: one row per headline of every results file.",
 }
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = sys.argv
     sys.argv = [f"python -m benchmarks {name}", *first, *rest]
     try:
-        runpy.run_module(f"benchmarks.{module}", run_name="__main__", alter_sys=True)
+        runpy.run_module(f"benchmarks.{module}", run_name="__main__")
     except SystemExit as stop:  # the module's own sys.exit(main()): its status is ours
         code = stop.code
         if code is None or isinstance(code, int):

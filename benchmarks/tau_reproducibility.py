@@ -1,6 +1,5 @@
-"""Mode ``tau`` of trainer_runs.py, does the embedded default reproduce? Build it fresh N times,
-compare the builds bit for bit, and train the default drafter on some of them: acceptance length
-tau with its baselines per build.
+"""Whether the embedded default reproduces: build it fresh N times, compare the builds bit for bit,
+and train the default drafter on some of them: acceptance length tau with its baselines per build.
 
     python -m benchmarks tau-reproducibility --caches tau/a tau/b tau/c --train 2
 
@@ -111,3 +110,7 @@ def main(argv=None, prog=None) -> int:
     results_schema.write(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result}, text)
     print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,5 @@
-"""Mode ``startup`` of trainer_runs.py, the trainer's startup: the README's main job, each run in
-a fresh process on an empty Inductor cache, to its first steady step, with the compiles of each
-worker and Dynamo's recompilations.
+"""The DFlash trainer's startup: the README's main job, each run in a fresh process on an empty
+Inductor cache, to its first steady step, with the compiles of each worker and Dynamo's recompilations.
 
     python -m benchmarks trainer-startup                      # Trees, whole-step, then Trees again on Trees' cache
     python -m benchmarks trainer-startup --graphs trees --no-restart --label "before X"   # one run, named
@@ -12,7 +11,7 @@ Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-gra
 ``TORCH_LOGS=recompiles``; the restart runs Trees again on the first Trees run's cache, as a user's
 second start does. Its ``--json`` line is kept whole under the run's name, with ``recompiles`` (how
 many "Recompiling function" records Dynamo logged) and their first lines, and ``took_s``, the
-process's wall time. The results go to ``benchmarks/results/dflash-trainer-startup_...``; with
+process's wall time. The results go to ``dflash-trainer-startup_...`` in ``--out-dir``; with
 ``--append`` a run of a name already there replaces it. Needs a GPU for the figures docs/results.md
 quotes; on a CPU the trainer runs eager, so its startup says nothing about graphs.
 """
@@ -162,7 +161,7 @@ def runs_of(data: dict) -> dict:
     return {name: run for name, run in data.items() if isinstance(run, dict) and ("startup_s" in run or "error" in run)}
 
 
-RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-runs --mode startup): each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
+RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-startup): each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
                "empty folder (the restart: the first Trees run's) and TORCH_LOGS=recompiles; each entry is the run's "
                "--json line, with `recompiles`, `recompile_records`, `command` and `took_s` added")
 
@@ -190,3 +189,7 @@ def main(argv=None, prog=None) -> int:
     data = {"recorded_by": RECORDED_BY, "env": env, **data, **runs}
     print(write_report(path, data))
     return 1 if any("error" in run for run in runs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""python -m benchmarks trainer-runs --mode startup (benchmarks/trainer_startup.py): each run in a process of its own, on an empty Inductor cache (the
+"""python -m benchmarks trainer-startup (benchmarks/trainer_startup.py): each run in a process of its own, on an empty Inductor cache (the
 restart on the Trees run's), its --json line kept whole with Dynamo's recompilations counted; a
 failed run is recorded and the others still run. A stand-in trainer prints what the real one would."""
 
@@ -8,7 +8,6 @@ import textwrap
 
 import pytest
 from benchmarks import trainer_process
-from benchmarks import trainer_runs
 from benchmarks import trainer_startup
 
 FAKE_TRAINER = textwrap.dedent("""
@@ -54,7 +53,7 @@ def _results(out):
 
 
 def test_each_run_starts_cold_but_the_restart_which_reuses_the_trees_cache(fake, capsys):
-    assert trainer_runs.main(["--mode", "startup", "--out-dir", str(fake), "--label", "after X", "--", "--max-steps", "20"]) == 0
+    assert trainer_startup.main(["--out-dir", str(fake), "--label", "after X", "--", "--max-steps", "20"]) == 0
     path, data = _results(fake)
     runs = trainer_startup.runs_of(data)
     assert list(runs) == ["Trees after X, empty Inductor cache", "whole-step after X, empty Inductor cache",
