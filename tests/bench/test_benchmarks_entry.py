@@ -72,4 +72,5 @@ def test_a_command_is_its_module_run_as_a_script():
                                     capture_output=True, text=True, timeout=120)
     assert through_name.returncode == through_module.returncode == 2, through_name.stderr
     assert "--caches needs at least two different directories" in through_name.stderr
-    assert through_name.stderr.splitlines()[-1] == through_module.stderr.splitlines()[-1]
+    assert through_name.stderr.splitlines()[-1].startswith("python -m benchmarks tau-reproducibility: error: ")
+    assert through_name.stderr.split(": error: ")[-1] == through_module.stderr.split(": error: ")[-1]
