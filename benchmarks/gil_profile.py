@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
     args.seconds, args.start_step, args.rate = own.seconds, own.start_step, own.rate
     py_spy = pyspy.find()
     if py_spy is None:
-        print("error: py-spy not found; pip install py-spy (in threadgraph's bench extra)", file=sys.stderr)
+        print("error: py-spy not found; pip install -r benchmarks/requirements.txt", file=sys.stderr)
         return 2
     from examples.dflash_trainer.train import train
 
@@ -142,8 +141,8 @@ def main(argv=None) -> int:
         seconds = recorder.finish()
         summary = summarise(recorder.samples("gil"), recorder.samples("wall"))
         stem = common.results_stem(env, "gil-profile")
-        for name in ("gil", "wall"):
-            shutil.copy(Path(run_dir, f"{name}.txt"), out / f"{stem}_{name}.txt")
+        for name in ("gil", "wall"):  # py-spy's raw stacks, beside the results but no results file
+            (out / f"{stem}_{name}.txt").write_text(results_schema.neutral(Path(run_dir, f"{name}.txt").read_text()))
     text = report(summary, args, env, seconds)
     print(text)
     results_schema.write(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),

@@ -311,7 +311,7 @@ def parse_args(argv=None):
                    help="like --append, with the earlier rows from this results JSON (any day)")
     p.add_argument("--gil-profile", type=float, default=0.0, metavar="SECONDS",
                    help="in thread placements, after the timed steps, record the process with py-spy for SECONDS "
-                        "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in the bench extra)")
+                        "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in benchmarks/requirements.txt)")
     p.add_argument("--render", metavar="JSON", help="rewrite the .md and .png of a results JSON, then exit")
     p.add_argument("--cell", nargs=3, metavar=("MODE", "PLACEMENT", "TASK"), help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
@@ -338,7 +338,7 @@ def parse_args(argv=None):
     if args.gil_profile < 0:
         p.error("--gil-profile takes seconds >= 0")
     if args.gil_profile and pyspy.find() is None:
-        p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
+        p.error("--gil-profile needs py-spy: pip install -r benchmarks/requirements.txt")
     if args.warmup < 3 or args.steps < 1 or args.share < 1:
         p.error("need --warmup >= 3 (compile and capture happen there), --steps >= 1, --share >= 1")
     return args
