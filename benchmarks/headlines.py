@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .results_schema import family, startup_comparable, trainer_runs_of
+from .results_schema import AS_THREADED, family, startup_comparable, timed_alike, trainer_runs_of
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}
@@ -62,6 +62,10 @@ def dflash_throughput(data: dict) -> list:
     device = device_word(data)
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
               f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
+    caveats = [*([] if data["sequential"].get("training") == AS_THREADED else ["a sequential loop of more optimizer work"]),
+               *([] if timed_alike(data["sequential"]) else ["the two sides not timed alike"])]
+    if caveats:
+        figure += f" ({', '.join(caveats)})"
     if data.get("gpu_bound_tokens_per_s"):
         figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
     if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
