@@ -102,7 +102,6 @@ def finish_cell(out_path: str, result, default=None) -> None:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 # Where a run writes unless given --out-dir: a scratch folder git ignores, so that a trial run never
 # reaches the committed results (``--out-dir benchmarks/results`` for a run meant to be committed).
 SCRATCH = Path("bench-out")
@@ -151,16 +150,6 @@ def add_out_dir(parser) -> None:
     """The ``--out-dir`` flag every benchmark takes, worded once."""
     parser.add_argument("--out-dir", help=f"results folder (default ./{SCRATCH}, ignored by git; "
                                           "--out-dir benchmarks/results for a run to commit)")
-
-
-def shown(path) -> str:
-    """A path as results files and messages give it: relative to the working directory when inside
-    it, else its last two parts, never the machine's absolute path."""
-    path = Path(path)
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(Path(*path.parts[-2:])) if len(path.parts) > 1 else path.name
 
 
 # -- the small launch-bound model -----------------------------------------------------------------

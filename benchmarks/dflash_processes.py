@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from . import common
 

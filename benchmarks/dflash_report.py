@@ -3,13 +3,10 @@ markdown that presents them (both go into the results JSON / .md; ``render.py`` 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Optional
 
 from . import common
 from .headlines import RESTART, target_ratio
-from . import results_schema
 from .results_schema import EMPTY, inductor_cache, sequential_training, startup_comparable, timed_alike
 from examples.dflash_trainer.run.metrics import LOG_EVERY, format_phases
 

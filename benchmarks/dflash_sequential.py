@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from . import common
 from . import thread_profile

@@ -21,7 +21,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

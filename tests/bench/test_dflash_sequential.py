@@ -3,7 +3,6 @@ code: on the tiny assets, three drafters sharing one device's weights, it trains
 trainer's per-step losses, bit for bit."""
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest

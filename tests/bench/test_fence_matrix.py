@@ -2,13 +2,11 @@
 THREADGRAPH_GPU_LOG) become the fence-matrix results file, cells in matrix order and the repro's
 runs by variant; a run that printed no result is kept with its exit status; the headlines count it."""
 
-import importlib
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
+
 from benchmarks import fence_matrix
 from benchmarks import headlines
 from benchmarks import results_schema as schema

@@ -2,10 +2,8 @@
 THREADGRAPH_GPU_LOG) become a phase of the day's gpu-scenarios results file, its .md and its index
 headlines; failures are kept, not dropped; a folder of no records or of two runs is refused."""
 
-import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest

@@ -2,13 +2,12 @@
 them, on a hand-made Chrome trace (the GPU figures come from the throughput benchmark's runs); and
 the throughput report's lines for a profiled window."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from benchmarks import thread_profile
 from benchmarks import dflash_report
 

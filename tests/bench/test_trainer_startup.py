@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+
 from benchmarks import trainer_process
 from benchmarks import trainer_startup
 
