@@ -40,7 +40,7 @@ GROUPS = {
 }
 # A module serving two commands says what each does here; the others' first docstring sentence does.
 SUMMARIES = {
-    "readme": "Rewrite the generated figures of README.md, docs/results.md and the trainer's README.",
+    "readme": "Rewrite the generated figures of README.md, docs/ and the trainer's README.",
     "index": "Rewrite benchmarks/results/README.md: one row per headline of every results file.",
 }
 

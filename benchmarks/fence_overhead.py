@@ -1,6 +1,6 @@
-"""What the eager fence costs a steady-state step: fenced and unfenced phases interleaved in one process.
+"""What the eager fence costs a steady-state step, fenced and unfenced phases in turn.
 
-    python -m benchmarks fence-overhead [--phases 10] [--phase-seconds 0.6] [--out-dir benchmarks/results]
+    python -m benchmarks fence-overhead [--phases 10] [--phase-seconds 0.6] [--out-dir DIR]
 
 Workers (``CompiledWorkerThread``) train or infer the small launch-bound model of
 ``replay_step_time.py`` (24 x [Linear 512, GELU, LayerNorm], batch 16) with CUDAGraph Trees, alone

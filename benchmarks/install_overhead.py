@@ -1,6 +1,6 @@
 """What ``threadgraph.install()`` costs a single-threaded user: replay step p50 with and without it.
 
-    python -m benchmarks install-overhead [--turns 3] [--steps 400] [--out-dir benchmarks/results]
+    python -m benchmarks install-overhead [--turns 3] [--steps 400] [--out-dir DIR]
 
 The main thread trains (forward, backward, SGD) and infers the small launch-bound model
 (24 x [Linear 512, GELU, LayerNorm], batch 16, bf16) with CUDAGraph Trees; nothing else runs.

@@ -1,5 +1,7 @@
-"""Whether the embedded default reproduces: build it fresh N times, compare the builds bit for bit,
-and train the default drafter on some of them: acceptance length tau with its baselines per build.
+"""Whether fresh builds of the embedded default are bit-identical, and the trainer's tau on them.
+
+Build the embedded default fresh N times, compare the builds bit for bit, and train the default
+drafter on some of them: acceptance length tau with its baselines per build.
 
     python -m benchmarks tau-reproducibility --caches tau/a tau/b tau/c --train 2
 

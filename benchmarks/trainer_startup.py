@@ -1,5 +1,7 @@
-"""The DFlash trainer's startup: the README's main job, each run in a fresh process on an empty
-Inductor cache, to its first steady step, with the compiles of each worker and Dynamo's recompilations.
+"""The DFlash trainer's startup to its first steady step, each run in a fresh process.
+
+The README's main job, each run on an empty Inductor cache, with the compiles of each worker and
+Dynamo's recompilations.
 
     python -m benchmarks trainer-startup                      # Trees, whole-step, then Trees again on Trees' cache
     python -m benchmarks trainer-startup --graphs trees --no-restart --label "before X"   # one run, named
