@@ -226,7 +226,7 @@ def parse_args(argv=None):
     from examples.dflash_trainer.config import TrainConfig
     from examples.dflash_trainer.placement import available_devices
 
-    try:  # here, not in each cell subprocess after a 3-minute asset build
+    try:  # here, not in each cell subprocess after an asset build
         available_devices(TrainConfig(devices=args.devices).device_list)
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
