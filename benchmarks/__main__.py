@@ -33,7 +33,7 @@ COMMANDS = {
     "index": ("render", "render", ("index",)),
 }
 GROUPS = {
-    "measure": "measure (writes <theme>_<gpu-or-cpu>_torch<version>_<date>.json and .md to ./bench-out,\n"
+    "measure": "measure (writes <theme>_<gpu-or-cpu>_torch<version>_<date>.json to ./bench-out,\n"
                "or to --out-dir DIR; --out-dir benchmarks/results for a run to commit)",
     "collect": "collect (a results file from the records of a GPU test run, THREADGRAPH_GPU_LOG=DIR)",
     "render": "render (the pages' generated figures from benchmarks/results; --check exits 1 when stale)",

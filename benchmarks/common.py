@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmark scripts: environment header, the small model, timing,
-tables, JSON and plots. Benchmarks print numbers; they never assert on them."""
+"""Shared pieces of the benchmark scripts: the environment, where results go, the small model,
+timing and JSON. Benchmarks print numbers; they never assert on them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import StepTimer as LibraryStepTimer
-from . import results_schema
+from . import render, results_schema
 from .small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 def exit_on_sigterm() -> None:
@@ -115,7 +115,7 @@ def on_gpu() -> bool:
 
 
 def environment() -> dict:
-    """Hardware and versions, for the report header."""
+    """Hardware and versions: a results file's ``env``."""
     gpus = torch.cuda.device_count() if on_gpu() else 0
     return {
         "gpu": torch.cuda.get_device_name(0) if gpus else None,
@@ -126,12 +126,6 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "date": datetime.date.today().isoformat(),
     }
-
-
-def header_lines(env: dict) -> list[str]:
-    device = f"{env['gpus']} x {env['gpu']}" if env["gpu"] else "no GPU: CPU reduced form"
-    return [f"- device: {device}", f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}",
-            f"- {env['cpus']} CPUs, {env['date']}"]
 
 
 def results_stem(env: dict, theme: str) -> str:
@@ -150,6 +144,14 @@ def add_out_dir(parser) -> None:
     """The ``--out-dir`` flag every benchmark takes, worded once."""
     parser.add_argument("--out-dir", help=f"results folder (default ./{SCRATCH}, ignored by git; "
                                           "--out-dir benchmarks/results for a run to commit)")
+
+
+def save(path: Path, data: dict) -> Path:
+    """Write a run's results file (``results_schema.write``) and print its key figures."""
+    results_schema.write(path, data)
+    print(render.figures(path))
+    print(f"\nwrote {path}", file=sys.stderr)
+    return path
 
 
 # -- the small launch-bound model -----------------------------------------------------------------
@@ -259,55 +261,7 @@ def _union_us(spans: list) -> float:
     return busy
 
 
-# -- reports --------------------------------------------------------------------------------------
-
-
-def fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:
-    """Grouped bars: ``groups[panel][configuration][mode] = per-thread p50 ms``, one panel each."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return None
-    panels = [p for p in groups if groups[p]]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        configs = list(groups[panel])
-        modes = list(dict.fromkeys(m for c in configs for m in groups[panel][c]))
-        width = 0.8 / max(1, len(modes))
-        for j, mode in enumerate(modes):
-            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(configs))]
-            ys = [groups[panel][c].get(mode) or 0.0 for c in configs]
-            ax.bar(xs, ys, width, label=mode)
-        ax.set_xticks(range(len(configs)))
-        ax.set_xticklabels(configs, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("per-thread step, p50 (ms)")
-        ax.set_title(panel)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+# -- figures --------------------------------------------------------------------------------------
 
 
 # Dynamo's compile-time counters (torch._dynamo.utils.compile_times) worth reading for startup:

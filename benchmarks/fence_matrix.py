@@ -10,7 +10,7 @@ pytorch#123177's repro run after run, fenced and unfenced. A failure fails those
 script asserts nothing. With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` keeps
 each run's record there; this script turns them into ``fence-matrix_<gpu>_torch<version>_<date>.json``
 (the cells, and the repro's runs by variant; a run that printed no result is kept with its exit
-status) and its ``.md``, which docs/results.md and the README quote.
+status), which docs/results.md and the README quote.
 """
 
 from __future__ import annotations
@@ -70,50 +70,13 @@ def collect(folder: Path, out_dir: Path) -> Path:
     data = {"gpu": results_schema.machine_of(gpu), "torch": torch_version.split("+")[0], "date": env["date"],
             "cells": cells, "repro": repro}
     path = out_dir / f"{results_schema.stem(env, 'fence-matrix')}.json"
-    results_schema.write(path, data, render(data))
-    return path
+    return common.save(path, data)
 
 
 def missing_cells(data: dict) -> list[str]:
     """Cells of the whole matrix that the run has no record of (a run of some of the tests)."""
     have = {(variant(c["args"]), option(c["args"], "--ops", "rng"), option(c["args"], "--kind", "train")) for c in data["cells"]}
     return [f"{c} {k} {v}" for v in VARIANTS for c in OP_CLASSES for k in KINDS if (v, c, k) not in have]
-
-
-def cell_row(r: dict) -> list[str]:
-    rows = []
-    for op, s in sorted(r.get("ops_stats", {}).items()):
-        outcome = "ok" if s["errors"] == 0 else f"{s['errors']} errors: {s['first_error']}"
-        rows.append(f"| {r['ops']} | {op} | {r['kind']} | {r['variant']} | {s['calls']} | {s['during_capture']} | {outcome} |")
-    if not rows:
-        rows.append(f"| {' '.join(r['args'])} | - | - | - | - | - | process rc {r['rc']}: {r.get('stderr_tail', '')[-200:]!r} |")
-    return rows
-
-
-def render(data: dict) -> str:
-    lines = [f"# Eager fence matrix: {data['gpu']}, torch {data['torch']}, {data['date']}", "",
-             "A bystander plain thread runs each op in a tight loop while 3 worker threads warm up and record",
-             f"CUDAGraph Trees ({len(data['cells'])} cells, a process each). `during capture`: calls that began "
-             "while a thread held the device exclusively.", "",
-             "| class | op | workers | fence | calls | during capture | outcome |", "|---|---|---|---|---|---|---|"]
-    for r in data["cells"]:
-        lines += cell_row(r)
-    lines += ["", "| cell | workers equal their reference | captures | group error | RNG in the main thread after |",
-              "|---|---|---|---|---|"]
-    for r in data["cells"]:
-        lines.append(f"| {r.get('ops')} {r.get('kind')} {r.get('variant')} | {r.get('workers_equal_reference')} | "
-                     f"{r.get('captures')} | {r.get('group_error')} | {r.get('rng_in_main_thread_after')} |")
-    missing = missing_cells(data)
-    if missing:
-        lines += ["", f"Not recorded by this run: {'; '.join(missing)}."]
-    for name, runs in data["repro"].items():
-        failed = [r for r in runs if r.get("errors") or r.get("rc") != 0 or not r.get("all_equal")]
-        lines += ["", f"## pytorch#123177 repro, {name}: {len(runs) - len(failed)} of {len(runs)} runs clean", ""]
-        for i, r in enumerate(runs):
-            lines.append(f"- run {i + 1}: rc {r.get('rc')}, {len(r.get('errors', {}))} of {r.get('threads')} threads raised"
-                         f"{': ' + sorted(set(r['errors'].values()))[0] if r.get('errors') else ''}; outputs equal eager: "
-                         f"{r.get('all_equal')}; captures per thread min {min(r.get('captures') or [0])}")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -127,7 +90,6 @@ def main(argv=None) -> int:
     missing = missing_cells(results_schema.load(path).data)
     if missing:
         print(f"no record of the cells {'; '.join(missing)}: the file holds the others", file=sys.stderr)
-    print(f"wrote {path} and its .md")
     return 0
 
 

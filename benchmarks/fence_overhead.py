@@ -128,16 +128,7 @@ def main(argv=None) -> None:
     meta = {"gpu": gpu, "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat(),
             "phases": args.phases, "phase_seconds": args.phase_seconds}
     stem = f"fence-overhead_{gpu}_torch{meta['torch']}_{meta['date']}"
-    lines = [f"# Eager fence overhead on a steady-state step: {gpu}, torch {meta['torch']}, {meta['date']}", "",
-             f"Small model, CUDAGraph Trees in worker threads; {args.phases} phases of {args.phase_seconds} s, "
-             "fenced and unfenced in turn, one process per run; wall time per step (GPU included).", "",
-             "| task | workers | fenced p50 ms | unfenced p50 ms | fenced / unfenced | steps (fenced, unfenced) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['task']} | {r['workers']} | {r['fenced_p50_ms']} | {r['unfenced_p50_ms']} | "
-              f"{r['ratio_fenced_over_unfenced']} | {r['steps']['fenced']}, {r['steps']['unfenced']} |" for r in rows]
-    out = common.results_dir(args.out_dir)
-    results_schema.write(out / f"{stem}.json", {**meta, "rows": rows}, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    common.save(common.results_dir(args.out_dir) / f"{stem}.json", {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

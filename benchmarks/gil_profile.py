@@ -92,24 +92,6 @@ def summarise(gil: list, wall: list) -> dict:
     }
 
 
-def report(summary: dict, args, env: dict, seconds: float) -> str:
-    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    rows = [[r["thread"], r["stage"], pct(r["gil_share"]), pct(r["thread_wall_share"])] for r in summary["stages"]]
-    leaves = [[r["frame"], pct(r["gil_share"])] for r in summary["leaves"]]
-    return "\n".join([
-        f"# GIL profile of the threaded DFlash pipeline ({'GPU' if env['gpu'] else 'CPU reduced form'})", "",
-        *common.header_lines(env),
-        f"- devices {args.devices}; cuda graphs {args.cuda_graphs or 'trees'}; {args.targets} + {args.drafters} "
-        f"threads; py-spy at {args.rate} Hz for {seconds:.1f} s from step {args.start_step}",
-        "", f"**GIL busy: {common.fmt(summary['gil_busy'])}** ({summary['gil_samples']} GIL samples in "
-        f"{summary['ticks']} ticks)", "",
-        "GIL share by thread kind: " + ", ".join(f"{k} {pct(v)}" for k, v in summary["gil_share_by_thread"].items()), "",
-        common.markdown_table(["thread", "where (what the worker's step called)", "share of GIL samples",
-                               "share of that thread kind's wall samples"], rows), "",
-        "## Innermost frames holding the GIL", "", common.markdown_table(["frame", "share of GIL samples"], leaves), "",
-    ])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each recording (default 10)")
@@ -143,13 +125,10 @@ def main(argv=None) -> int:
         stem = common.results_stem(env, "gil-profile")
         for name in ("gil", "wall"):  # py-spy's raw stacks, beside the results but no results file
             (out / f"{stem}_{name}.txt").write_text(results_schema.neutral(Path(run_dir, f"{name}.txt").read_text()))
-    text = report(summary, args, env, seconds)
-    print(text)
-    results_schema.write(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
-                                             "recorded_seconds": seconds, **summary,
-                                             "tokens_per_s_steady": results.tokens_per_s_steady,
-                                             "workers": results.to_json()["workers"]}, text)
-    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+    common.save(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
+                                       "recorded_seconds": seconds, **summary,
+                                       "tokens_per_s_steady": results.tokens_per_s_steady,
+                                       "workers": results.to_json()["workers"]})
     return 0
 
 

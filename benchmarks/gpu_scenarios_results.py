@@ -7,8 +7,7 @@ With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` write
 record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
 This script turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase, named by
 ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
-(a file of that date gets the phase added; a label it already has is refused), and writes the
-file's ``.md``. The trainer runs of the trainer's GPU tests (``python -m examples.dflash_trainer``)
+(a file of that date gets the phase added; a label it already has is refused). The trainer runs of the trainer's GPU tests (``python -m examples.dflash_trainer``)
 are kept too, each as its mode, steps, losses, steady tokens/s and startup; a folder of trainer runs
 only names its GPU with ``--gpu`` (their records name torch, not the GPU). A run that failed is kept
 as ``{"error": ...}``; with the junit XML in the folder the phase also holds every test's outcome
@@ -25,7 +24,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from . import common
-from . import headlines
 from . import results_schema
 
 MODULE = "tests.helpers.gpu_scenarios"
@@ -139,46 +137,7 @@ def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> 
     if junit.exists():
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
-    text = render(data, env)  # before writing anything: a failure leaves the file as it was
-    results_schema.write(path, data, text)
-    return path
-
-
-def trainer_headline(result: dict) -> tuple | None:
-    """A trainer run's line: its mode and steps, its last loss, steady tokens/s and startup (a figure
-    the run did not give is said as such)."""
-    if "error" in result or "mode" not in result:
-        return None
-    losses = result.get("losses") or [None]
-    return (f"trainer, {result['mode']}, {result['total_steps']} steps",
-            f"last loss {common.fmt(losses[-1], 3)}, {common.fmt(result.get('tokens_per_s_steady'), 0)} tokens/s "
-            f"steady, startup {common.fmt(result.get('startup_s'), 1)} s (build {common.fmt(result.get('build_s'), 1)} s)")
-
-
-def render(data: dict, env: dict) -> str:
-    lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
-             "Written by `python -m benchmarks gpu-scenarios` from the records of the GPU tests "
-             "(`tests/helpers/gpu_scenarios.py` and the trainer's GPU tests, each run in a fresh process); one section per "
-             "phase, a test run.", ""]
-    for label, phase in data.items():
-        rows = []
-        for tag, result in phase.items():
-            if tag == OUTCOMES:
-                continue
-            headline = headlines.scenario_headline(tag, result) or trainer_headline(result)
-            rows.append([tag, result.get("seconds"), result.get("error") or "ran",
-                         f"{headline[0]}: {headline[1]}" if headline else "-"])
-        lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]
-        tests = phase.get(OUTCOMES, {})
-        if tests:
-            passed = sum(v == "passed" for v in tests.values())
-            lines += [f"Tests: {passed} of {len(tests) - (INTERRUPTED in tests)} passed.", ""]
-            if INTERRUPTED in tests:
-                lines += ["The run did not finish (pytest's own error, as when a step timeout interrupts it): "
-                          "tests it had not reached are not in this table.", ""]
-            lines += [
-                      common.markdown_table(["test", "outcome"], [(t, " ".join(v.split())) for t, v in tests.items()]), ""]
-    return "\n".join(lines)
+    return common.save(path, data)
 
 
 def main(argv=None) -> int:
@@ -192,8 +151,7 @@ def main(argv=None) -> int:
         p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
     if not args.label or " " in args.label:
         p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
-    path = collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
-    print(f"wrote {path} and its .md")
+    collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
     return 0
 
 

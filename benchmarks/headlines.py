@@ -10,19 +10,7 @@ from .results_schema import AS_THREADED, family, startup_comparable, timed_alike
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}
-# What the threaded 5 target + 3 drafter pipeline aims at in tokens/s over the sequential loop
-# (benchmarks/README.md, Targets): spread over several GPUs, 1.5x; on one GPU, where both pipelines
-# do the same work on the same device, 0.98x (threading costs at most 2 %).
-TARGET_RATIO = 1.5
-ONE_GPU_TARGET_RATIO = 0.98
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
-
-
-def target_ratio(devices: Optional[str], visible_gpus: Optional[int]) -> float:
-    """The aim of a dflash-throughput run on ``devices`` (its --devices; None: every visible GPU)."""
-    named = {d.strip() for d in devices.split(",") if d.strip()} if devices else set()
-    count = len({"cuda:0" if d == "cuda" else d for d in named}) if named else (visible_gpus or 1)
-    return ONE_GPU_TARGET_RATIO if count <= 1 else TARGET_RATIO
 
 
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------

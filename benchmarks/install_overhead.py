@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from . import common
-from . import results_schema
 from .small_model import mlp
 
 TASKS = ("train", "infer")
@@ -106,18 +105,7 @@ def main(argv: list[str]) -> int:
     record = {"theme": "install-overhead", "env": env, "steps": args.steps, "turns": args.turns,
               "runs": runs, "summary": summary,
               "command": f"python -m benchmarks install-overhead --turns {args.turns} --steps {args.steps}"}
-    rows = [[task, common.fmt(s["plain_p50_ms"], 3), common.fmt(s["installed_p50_ms"], 3), common.fmt(s["ratio"], 3)]
-            for task, s in summary.items()]
-    table = common.markdown_table(["task", "plain p50 ms", "install() p50 ms", "install() / plain"], rows)
-    lines = ["# install() overhead on a single-threaded CUDAGraph Trees step", "", *common.header_lines(env), "",
-             f"Main thread only, small model, bf16; {args.turns} processes of each kind in turns, {args.steps} timed "
-             "steps per task each; each figure is the median of the processes' p50s.", "", table, "",
-             f"Regenerate: `{record['command']}`"]
-    print("\n".join(lines))
-    out = common.results_dir(args.out_dir) / common.results_stem(env, "install-overhead")
-    # results_stem ends in a date with dots before it: with_suffix would cut at the version's dot.
-    results_schema.write(out.parent / f"{out.name}.json", record, "\n".join(lines) + "\n")
-    print(f"wrote {out}.json and .md", file=sys.stderr)
+    common.save(common.results_dir(args.out_dir) / f"{common.results_stem(env, 'install-overhead')}.json", record)
     return 0
 
 

@@ -14,7 +14,7 @@ Every (mode, placement) cell runs in its own subprocess (``--cell``, internal), 
 capture costs one error row and the rest carry on. Without a GPU it runs a CPU reduced form
 (a smaller model, eager and compile only); those numbers say nothing about CUDA graphs.
 Warmup steps (which include compilation and capture) are excluded from every time. What a cell
-steps is in ``replay_work.py``; the report, the plot and ``--render`` in ``replay_report.py``.
+steps is in ``replay_work.py``; its results file is written by ``replay_results.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from . import common
 from . import pyspy
 
 import torch
-from .replay_report import PLACEMENTS, render, write_results
+from .replay_results import PLACEMENTS, write_results
 from .replay_work import CPU_MODES, MODES, TASKS, Plan
 
 BARRIER_TIMEOUT_S = 900
@@ -312,7 +312,6 @@ def parse_args(argv=None):
     p.add_argument("--gil-profile", type=float, default=0.0, metavar="SECONDS",
                    help="in thread placements, after the timed steps, record the process with py-spy for SECONDS "
                         "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in benchmarks/requirements.txt)")
-    p.add_argument("--render", metavar="JSON", help="rewrite the .md and .png of a results JSON, then exit")
     p.add_argument("--cell", nargs=3, metavar=("MODE", "PLACEMENT", "TASK"), help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -347,12 +346,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     common.exit_on_sigterm()
-    if args.render:
-        render(Path(args.render))
-        return 0
     if args.cell:
         if not common.on_gpu():
-            torch.set_num_threads(1)  # see replay_report.CPU_THREADS_NOTE
+            torch.set_num_threads(1)  # OpenMP pools oversubscribe small CPUs: 100x outliers
         common.finish_cell(args.cell_out, run_cell(args, *args.cell))  # a row
     env = common.environment()
     started, rows = time.perf_counter(), []

@@ -1,7 +1,7 @@
 """The results files of benchmarks/results/: their names, the fields each theme's JSON must hold,
 and the one way to read and write them.
 
-A results file is named ``<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}``: its
+A results file is named ``<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.json``: its
 header (theme, machine, torch, date) is in the name, for every file old or new. Where the JSON also
 records them (``env``, or top-level ``torch`` / ``date`` / ``gpu`` / ``machine`` in files without
 an ``env``), they must agree with the name. Each theme's JSON must hold the fields its renderers
@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Optional
 RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = "README.md"  # the folder's index, the one file not named by the rule
 NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<machine>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
-                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
-RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}"
+                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md)$")
+RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md}"
 
 # A dflash-throughput cell's ``inductor_cache``: the cache it started on.
 EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
@@ -173,7 +173,7 @@ def validate(file_name: str, data: Any) -> Name:
     """Check a results JSON against its name's theme; its header (from the name) when it passes."""
     name = parse_name(file_name)
     if name is None or name.ext != "json":
-        raise ResultsError(file_name, "name", f"not {RULE.replace('{json,md,png}', 'json')}")
+        raise ResultsError(file_name, "name", f"not {RULE.replace('{json,md}', 'json')}")
     if not isinstance(data, dict):
         raise ResultsError(file_name, "(top level)", f"expected an object, found {type(data).__name__}")
     try:
@@ -263,15 +263,13 @@ def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent) -> 
     return ABSOLUTE_PATH.sub(shown, value)
 
 
-def write(path: Path, data: dict, report: Optional[str] = None) -> Path:
-    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent), and
-    ``report`` beside it as the ``.md``; neither holds an absolute path (``neutral``)."""
+def write(path: Path, data: dict) -> Path:
+    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent) with no
+    absolute path in it (``neutral``)."""
     path = Path(path)
     data = neutral(json.loads(json.dumps(data, default=str)))
     validate(path.name, data)
     path.write_text(json.dumps(data, indent=1) + "\n")
-    if report is not None:
-        path.with_name(path.name[:-len(".json")] + ".md").write_text(neutral(report))
     return path
 
 

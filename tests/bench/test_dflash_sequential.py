@@ -76,17 +76,17 @@ def test_the_sequential_loop_trains_to_the_threaded_trainers_losses(tiny_assets,
 
 
 def test_the_gpu_bound_limit_takes_the_busiest_device_of_a_round_over_the_rounds_batches():
-    report = importlib.import_module("benchmarks.dflash_report")
+    throughput = importlib.import_module("benchmarks.dflash_throughput")
     cfg = TrainConfig(batch_size=4, seq_len=256)
     # drafters on cuda:0, cuda:1, cuda:0: a round is 3 batches; cuda:0 is busy 20 ms of it, cuda:1 12 ms
     sequential = {"tokens_per_s": 1.0, "gpu_ms_per_round_by_device": {"0": 20.0, "1": 12.0}, "batches_per_round": 3,
                   "devices": ["cuda:0", "cuda:1"], "training": "as threaded"}
-    figures = report.headline(cfg, {"tokens_per_s": 1.0}, sequential, on_gpu=True)
+    figures = throughput.headline(cfg, {"tokens_per_s": 1.0}, sequential, on_gpu=True)
     assert figures["gpu_ms_per_batch"] == pytest.approx(20.0 / 3)
     assert figures["gpu_bound_tokens_per_s"] == pytest.approx(3 * 1024 / 0.020)  # 3 batches in the busiest 20 ms
     # files of the earlier loop: each device's time for its one batch a round, times the devices
     older = {"tokens_per_s": 1.0, "gpu_ms_per_batch_by_device": {"0": 10.0, "1": 8.0}, "devices": ["cuda:0", "cuda:1"]}
-    figures = report.headline(cfg, {"tokens_per_s": 1.0}, older, on_gpu=True)
+    figures = throughput.headline(cfg, {"tokens_per_s": 1.0}, older, on_gpu=True)
     assert figures["gpu_bound_tokens_per_s"] == pytest.approx(2 * 1024 / 0.010)
 
 
@@ -147,8 +147,6 @@ def test_the_threaded_cell_leaves_the_profiled_windows_out_of_its_steady_figure(
     short = throughput.run_threaded(cfg, profile_s=3.0)
     assert not Window.made and short["profiled_windows"] == [] and short["steady_windows"] == 2
     assert short["thread_profile"]["error"].startswith("not profiled: 40 steps give too few steady windows")
-    assert throughput.dflash_report.profile_lines(short["thread_profile"])[0].startswith(
-        "Profiled window: none, not profiled: 40 steps")
 
 
 def test_the_sequential_loop_takes_the_median_of_whole_windows(tiny_assets, tmp_path):

@@ -268,14 +268,6 @@ def test_the_projection_finds_where_the_gil_saturates_one_process_of_eight_gpus(
     assert "1.00 / 1.00: threads match one process per GPU (the GIL at most half busy)" in render.seed_projection(results)
 
 
-def test_the_dflash_aim_is_the_one_gpu_bar_for_a_run_on_one_device():
-    from benchmarks.headlines import ONE_GPU_TARGET_RATIO, TARGET_RATIO, target_ratio
-
-    assert target_ratio("cuda:0", 8) == target_ratio("cuda:3, cuda:3", 8) == ONE_GPU_TARGET_RATIO == 0.98
-    assert target_ratio(None, 1) == target_ratio("cpu", None) == ONE_GPU_TARGET_RATIO
-    assert target_ratio("cuda:0,cuda:1", 8) == target_ratio(None, 2) == TARGET_RATIO == 1.5
-
-
 def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_where_it_does_not(tmp_path):
     root, results = _root_with_results(tmp_path)
     raised = _fence_matrix(results, "2.11.0", "2026-12-01", [True, True, False])
