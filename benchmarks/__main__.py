@@ -27,8 +27,8 @@ COMMANDS = {
     "install-overhead": ("measure", "install_overhead", ()),
     "fence-overhead": ("measure", "fence_overhead", ()),
     "gil-profile": ("measure", "gil_profile", ()),
-    "gpu-scenarios": ("collect", "gpu_scenarios_results", ()),
-    "fence-matrix": ("collect", "fence_matrix", ()),
+    "gpu-scenarios": ("collect", "gpu_scenarios_results", ("gpu-scenarios",)),
+    "fence-matrix": ("collect", "gpu_scenarios_results", ("fence-matrix",)),
     "readme": ("render", "render", ("readme",)),
     "index": ("render", "render", ("index",)),
 }
@@ -40,6 +40,8 @@ GROUPS = {
 }
 # A module serving two commands says what each does here; the others' first docstring sentence does.
 SUMMARIES = {
+    "gpu-scenarios": "The gpu-scenarios results file, from the records of a GPU test run.",
+    "fence-matrix": "The fence-matrix results file, from the records of a GPU test run of the eager fence.",
     "readme": "Rewrite the generated figures of README.md, docs/ and the trainer's README.",
     "index": "Rewrite benchmarks/results/README.md: one row per headline of every results file.",
 }
