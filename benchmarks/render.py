@@ -73,20 +73,12 @@ def index(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_index(folder: Path, check: bool) -> int:
+def rendered_index(folder: Path) -> dict:
+    """{path: text} of the index, refused while the folder holds a file not named by the rule."""
     bad = schema.misnamed(folder)
     if bad:
-        print(f"not named {schema.RULE}: " + ", ".join(bad), file=sys.stderr)
-        return 1
-    text, path = index(folder), folder / schema.INDEX
-    if check:
-        if not path.exists() or path.read_text() != text:
-            print(f"{schema.INDEX} of {folder.name}/ is stale: run python -m benchmarks index", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(text)
-    print(f"wrote {path}")
-    return 0
+        raise ResultsError(folder.name, "names", f"not named {schema.RULE}: " + ", ".join(bad))
+    return {folder / schema.INDEX: index(folder)}
 
 
 # -- README: three headlines ------------------------------------------------------------------------------
@@ -336,23 +328,23 @@ def render_page(page: str, text: str, folder: Path) -> str:
     return text
 
 
-def write_pages(folder: Path, root: Path, check: bool) -> int:
-    stale = []
-    for page in PAGES:
-        path = root / page
-        old = path.read_text()
-        new = render_page(page, old, folder)
-        if new == old:
-            continue
-        stale.append(page)
-        if not check:
-            path.write_text(new)
-            print(f"rewrote the generated results of {page}")
+def rendered_pages(folder: Path, root: Path) -> dict:
+    """{path: text} of every page of PAGES, its generated sections rewritten."""
+    return {root / page: render_page(page, (root / page).read_text(), folder) for page in PAGES}
+
+
+def write(files: dict, check: bool, command: str) -> int:
+    """Write the files that differ from their fresh render; with ``check`` write nothing and exit 1
+    when one does."""
+    stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
     if check and stale:
-        print(f"{', '.join(stale)}: the generated results are stale; run python -m benchmarks readme", file=sys.stderr)
+        print(f"{', '.join(schema.neutral(str(p)) for p in stale)}: stale; run python -m benchmarks {command}", file=sys.stderr)
         return 1
+    for path in stale:
+        path.write_text(files[path])
+        print(f"wrote {path}")
     if not stale:
-        print(f"{', '.join(PAGES)}: the generated results are up to date")
+        print(f"{', '.join(schema.neutral(str(p)) for p in files)}: up to date")
     return 0
 
 
@@ -367,9 +359,8 @@ def main(argv=None) -> int:
     if not args.results.is_dir():
         p.error(f"--results {args.results}: no such folder")
     try:
-        if args.what == "index":
-            return write_index(args.results, args.check)
-        return write_pages(args.results, args.root, args.check)
+        files = rendered_index(args.results) if args.what == "index" else rendered_pages(args.results, args.root)
+        return write(files, args.check, args.what)
     except ResultsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

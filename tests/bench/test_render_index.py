@@ -35,7 +35,7 @@ def test_rows_come_latest_first_and_a_new_file_makes_the_index_stale(tmp_path, c
     overhead(tmp_path / "fence-overhead_cpu_torch2.13.0_2026-02-01.json", 0.9)
     capsys.readouterr()
     assert index("--results", str(tmp_path), "--check") == 1
-    assert "is stale: run python -m benchmarks index" in capsys.readouterr().err
+    assert "stale; run python -m benchmarks index" in capsys.readouterr().err
 
 
 def test_a_file_that_breaks_the_naming_rule_fails_the_check(tmp_path, capsys):
