@@ -1,13 +1,12 @@
-"""One entry point for the benchmarks and the renderers of their results.
+"""One entry point for the benchmarks and the renderer of their results.
 
     python -m benchmarks --help               # every command, one line each
     python -m benchmarks NAME [ARGS ...]      # e.g. python -m benchmarks dflash-throughput --help
 
-Each command is a script of this folder run as its own ``__main__``, given the command's first
-arguments (``readme`` and ``index`` are ``render.py readme|index``; an alias such as
-``trainer-startup`` is ``trainer-runs --mode startup``). The scripts stay runnable as
-``python benchmarks/<script>.py``, which is what the subprocess-based ones launch. The listing
-reads each script's docstring without importing it, so ``--help`` never imports torch.
+Each command runs a module of this package as ``__main__`` (``python -m benchmarks.<module>``), given
+the command's first arguments. A new benchmark registers itself with one line in ``COMMANDS``: its
+command name, its group, its module and any first arguments. The listing reads each module's
+docstring without importing it, so ``--help`` never imports torch.
 """
 
 from __future__ import annotations
@@ -19,61 +18,50 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# command name -> (script, the arguments it is given first), grouped as --help lists them. The other
-# modules are the scripts' parts; of those, only dflash_processes.py runs as a script, a child that
-# dflash_throughput.py launches.
-MEASURE = {
-    "step-time": ("replay_step_time.py", ()),
-    "dflash-throughput": ("dflash_throughput.py", ()),
-    "trainer-runs": ("trainer_runs.py", ()),
-    "install-overhead": ("install_overhead.py", ()),
-    "fence-overhead": ("fence_overhead.py", ()),
-    "gil-profile": ("gil_profile.py", ()),
+# command -> (group, module, the arguments it is given first), in the order --help lists them
+COMMANDS = {
+    "step-time": ("measure", "replay_step_time", ()),
+    "dflash-throughput": ("measure", "dflash_throughput", ()),
+    "trainer-startup": ("measure", "trainer_startup", ()),
+    "tau-reproducibility": ("measure", "tau_reproducibility", ()),
+    "install-overhead": ("measure", "install_overhead", ()),
+    "fence-overhead": ("measure", "fence_overhead", ()),
+    "gil-profile": ("measure", "gil_profile", ()),
+    "gpu-scenarios": ("collect", "gpu_scenarios_results", ("gpu-scenarios",)),
+    "fence-matrix": ("collect", "gpu_scenarios_results", ("fence-matrix",)),
+    "readme": ("render", "render", ("readme",)),
+    "index": ("render", "render", ("index",)),
 }
-RENDER = {
-    "readme": ("render.py", ("readme",)),
-    "index": ("render.py", ("index",)),
-    "dflash-report": ("dflash_report.py", ()),
-    "gpu-scenarios": ("gpu_scenarios_results.py", ()),
-    "doctor-selftest": ("doctor_selftest.py", ()),
-    "fence-matrix": ("fence_matrix.py", ()),
+GROUPS = {
+    "measure": "measure (writes <theme>_<gpu-or-cpu>_torch<version>_<date>.json to ./bench-out,\n"
+               "or to --out-dir DIR; --out-dir benchmarks/results for a run to commit)",
+    "collect": "collect (a results file from the records of a GPU test run, THREADGRAPH_GPU_LOG=DIR)",
+    "render": "render (the pages' generated figures from benchmarks/results; --check exits 1 when stale)",
 }
-# Names that run a mode of another command, as short as what they stand for.
-ALIASES = {
-    "trainer-startup": ("trainer_runs.py", ("--mode", "startup")),
-    "dflash-ab": ("trainer_runs.py", ("--mode", "ab")),
-    "tau-reproducibility": ("trainer_runs.py", ("--mode", "tau")),
-}
-COMMANDS = {**MEASURE, **RENDER, **ALIASES}
-CHILD_SCRIPTS = {"dflash_processes.py"}
-# One script serving two commands says what each does here; the others' first docstring sentence does.
+# A module serving two commands says what each does here; the others' first docstring sentence does.
 SUMMARIES = {
-    "readme": "Rewrite the generated results of README.md, docs/results.md and examples/dflash_trainer/README.md.",
-    "index": "Write benchmarks/results/README.md: one row per headline of every results JSON, latest first.",
+    "gpu-scenarios": "The gpu-scenarios results file, from the records of a GPU test run.",
+    "fence-matrix": "The fence-matrix results file, from the records of a GPU test run of the eager fence.",
+    "readme": "Rewrite the generated figures of README.md, docs/ and the trainer's README.",
+    "index": "Rewrite benchmarks/results/README.md: one row per headline of every results file.",
 }
 
 
 def summary(name: str) -> str:
-    """What a command does: SUMMARIES, else the first sentence of its script's docstring, read
-    without importing the script."""
+    """What a command does: SUMMARIES, else the first sentence of its module's docstring."""
     if name in SUMMARIES:
         return SUMMARIES[name]
-    doc = ast.get_docstring(ast.parse((HERE / COMMANDS[name][0]).read_text())) or ""
+    doc = ast.get_docstring(ast.parse((HERE / f"{COMMANDS[name][1]}.py").read_text())) or ""
     first = " ".join(doc.split("\n\n")[0].replace("``", "").split())
     return first if len(first) <= 100 else first[:first.rfind(" ", 0, 99)] + " ..."
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: python -m benchmarks NAME [ARGS ...]   (python -m benchmarks NAME --help for a command's flags)",
-             "", "measure (writes benchmarks/results/<theme>_<machine>_torch<version>_<date>.json and .md):"]
-    lines += [f"  {name:<{width}}  {summary(name)}" for name in MEASURE]
-    lines += ["", "render (rewrites files from the committed results, or from a GPU test run's records):"]
-    lines += [f"  {name:<{width}}  {summary(name)}" for name in RENDER]
-    lines += ["", "aliases:"]
-    plain = {script: name for name, (script, args) in {**MEASURE, **RENDER}.items() if not args}
-    lines += [f"  {name:<{width}}  python -m benchmarks {plain[script]} {' '.join(args)}"
-              for name, (script, args) in ALIASES.items()]
+    lines = ["usage: python -m benchmarks NAME [ARGS ...]   (python -m benchmarks NAME --help: a command's flags)"]
+    for group, title in GROUPS.items():
+        lines += ["", f"{title}:"]
+        lines += [f"  {name:<{width}}  {summary(name)}" for name, (g, _, _) in COMMANDS.items() if g == group]
     lines += ["", "the conformance suite (GPU): python -m tests.conformance --help"]
     return "\n".join(lines)
 
@@ -85,19 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"error: no benchmark named {name!r}; python -m benchmarks --help lists them: "
+        print(f"error: no command named {name!r}; python -m benchmarks --help lists them: "
               f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    script, first = COMMANDS[name]
-    script = HERE / script
+    _, module, first = COMMANDS[name]
     saved = sys.argv
-    sys.argv = [str(script), *first, *rest]
-    # a script imports its sibling modules by name, as when it runs as python benchmarks/<script>.py
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
+    sys.argv = [f"python -m benchmarks {name}", *first, *rest]
     try:
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as stop:  # the script's own sys.exit(main()): its status is ours
+        runpy.run_module(f"benchmarks.{module}", run_name="__main__")
+    except SystemExit as stop:  # the module's own sys.exit(main()): its status is ours
         code = stop.code
         if code is None or isinstance(code, int):
             return code or 0

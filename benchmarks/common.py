@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmark scripts: environment header, the small model, timing,
-tables, JSON and plots. Benchmarks print numbers; they never assert on them."""
+"""Shared pieces of the benchmark scripts: the environment, where results go, the small model,
+timing and JSON. Benchmarks print numbers; they never assert on them."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 from threadgraph import StepTimer as LibraryStepTimer
-import results_schema
-from small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
+from . import render, results_schema
+from .small_model import allow_recompiles, mlp  # noqa: F401 (allow_recompiles: used by the scripts)
 
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (a `timeout` around the script) into SystemExit, so subprocess.run kills the
@@ -30,7 +30,18 @@ def exit_on_sigterm() -> None:
 
 def cell_env(tmp: str, cache_dir: str) -> dict:
     """A benchmark cell's environment: ``cache_dir`` as its Inductor cache, else an empty one in ``tmp``."""
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
+    return {**child_env(), "TORCHINDUCTOR_CACHE_DIR": cache_dir or str(Path(tmp, "inductor-cache"))}
+
+
+def child_env() -> dict:
+    """This process's environment, with the repository root first on ``PYTHONPATH``: a child started
+    as ``python -m benchmarks.<module>`` imports this package (and ``examples``) from any folder."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def module_command(module: str) -> list:
+    """The command that runs ``benchmarks/<module>.py`` as a script, in a fresh process."""
+    return [sys.executable, "-m", f"benchmarks.{module}"]
 
 
 def wait_or_stop(proc: subprocess.Popen, timeout: float) -> Optional[tuple]:
@@ -91,10 +102,9 @@ def finish_cell(out_path: str, result, default=None) -> None:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-for _path in (str(ROOT), str(ROOT / "src")):  # examples/ and an uninstalled threadgraph
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+# Where a run writes unless given --out-dir: a scratch folder git ignores, so that a trial run never
+# reaches the committed results (``--out-dir benchmarks/results`` for a run meant to be committed).
+SCRATCH = Path("bench-out")
 
 WIDTH, DEPTH, BATCH = 512, 24, 16  # the launch-bound model of the H200 measurements
 CPU_WIDTH, CPU_DEPTH = 128, 6  # CPU reduced form
@@ -105,7 +115,7 @@ def on_gpu() -> bool:
 
 
 def environment() -> dict:
-    """Hardware and versions, for the report header."""
+    """Hardware and versions: a results file's ``env``."""
     gpus = torch.cuda.device_count() if on_gpu() else 0
     return {
         "gpu": torch.cuda.get_device_name(0) if gpus else None,
@@ -115,14 +125,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "date": datetime.date.today().isoformat(),
-        "host": platform.node(),
     }
-
-
-def header_lines(env: dict) -> list[str]:
-    device = f"{env['gpus']} x {env['gpu']}" if env["gpu"] else "no GPU: CPU reduced form"
-    return [f"- device: {device}", f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}",
-            f"- {env['cpus']} CPUs, {env['date']}"]
 
 
 def results_stem(env: dict, theme: str) -> str:
@@ -131,8 +134,23 @@ def results_stem(env: dict, theme: str) -> str:
 
 
 def results_dir(out_dir: Optional[str]) -> Path:
-    path = Path(out_dir) if out_dir else RESULTS
+    """``--out-dir``, else the scratch folder; created if missing."""
+    path = Path(out_dir) if out_dir else SCRATCH
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def add_out_dir(parser) -> None:
+    """The ``--out-dir`` flag every benchmark takes, worded once."""
+    parser.add_argument("--out-dir", help=f"results folder (default ./{SCRATCH}, ignored by git; "
+                                          "--out-dir benchmarks/results for a run to commit)")
+
+
+def save(path: Path, data: dict) -> Path:
+    """Write a run's results file (``results_schema.write``) and print its key figures."""
+    results_schema.write(path, data)
+    print(render.figures(path))
+    print(f"\nwrote {path}", file=sys.stderr)
     return path
 
 
@@ -243,60 +261,7 @@ def _union_us(spans: list) -> float:
     return busy
 
 
-# -- reports --------------------------------------------------------------------------------------
-
-
-def fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_json(path: Path, data) -> Path:
-    """Write a results file, checked against its theme's schema first (results_schema.write)."""
-    return results_schema.write(path, data)
-
-
-def bar_plot(path: Path, groups: dict, title: str) -> Optional[Path]:
-    """Grouped bars: ``groups[panel][configuration][mode] = per-thread p50 ms``, one panel each."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return None
-    panels = [p for p in groups if groups[p]]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        configs = list(groups[panel])
-        modes = list(dict.fromkeys(m for c in configs for m in groups[panel][c]))
-        width = 0.8 / max(1, len(modes))
-        for j, mode in enumerate(modes):
-            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(configs))]
-            ys = [groups[panel][c].get(mode) or 0.0 for c in configs]
-            ax.bar(xs, ys, width, label=mode)
-        ax.set_xticks(range(len(configs)))
-        ax.set_xticklabels(configs, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("per-thread step, p50 (ms)")
-        ax.set_title(panel)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+# -- figures --------------------------------------------------------------------------------------
 
 
 # Dynamo's compile-time counters (torch._dynamo.utils.compile_times) worth reading for startup:

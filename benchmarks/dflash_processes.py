@@ -23,13 +23,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
+from . import common
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 
 def rank_config(cfg, world: int):
@@ -104,7 +102,7 @@ def run_cell(cfg, processes: int, cell_timeout: int, cache_dir: str) -> dict:
     """Launch the ranks with torchrun (Inductor cache: ``cache_dir``, else an empty one) and
     return rank 0's result, or {"error": ...}."""
     return common.run_cell([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(processes), str(Path(__file__).resolve()), "--cell-config", json.dumps(cfg.to_dict()),
+                            str(processes), "-m", "benchmarks.dflash_processes", "--cell-config", json.dumps(cfg.to_dict()),
                             "--cell-out"], cache_dir, cell_timeout)
 
 

@@ -1,21 +1,18 @@
 """The sequential cell of dflash_throughput: the threaded trainer's training done by one thread, on
 the trainer's own components and step functions, with the probes that give the GPU-bound limit
-and the host time a batch (dflash_report turns them into the headline figures)."""
+and the host time a batch (dflash_throughput.headline turns them into the figures of the results file)."""
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import thread_profile  # noqa: E402
-from results_schema import AS_THREADED  # noqa: E402
+from . import common
+from . import thread_profile
+from .results_schema import AS_THREADED
 
-import torch  # noqa: E402
+import torch
 
 PROBE_ROUNDS = 5  # rounds of the host-time probe, and again of the GPU-time probe
 
@@ -175,7 +172,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
         "host_probe_rounds": len(host_ms),
         "host_probe_batches": len(host_ms) * len(replicas),
         # each device's kernel-busy time a round (a round: one batch a drafter, on the devices the
-        # threads would use); dflash_report.headline turns the busiest into the GPU-bound limit
+        # threads would use); dflash_throughput.headline turns the busiest into the GPU-bound limit
         "gpu_ms_per_round_by_device": {str(d): us / 1000 / probe for d, us in busy.busy_us.items()}
         if on_gpu and probe else {},
         "batches_per_round": len(replicas),

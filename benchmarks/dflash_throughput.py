@@ -23,14 +23,14 @@ processes as many batches as the threaded run; the same share of them is warmup.
 
 Besides tokens/s, the sequential loop measures the GPU time of one batch's kernels (the GPU-bound
 limit of both pipelines), its host time per batch (what one thread holds the GIL for) and both cells
-their startup seconds; ``dflash_report`` turns these into the headline figures (benchmarks/README.md).
+their startup seconds; ``headline`` turns these into the figures of the results file (benchmarks/README.md).
 
 Each pipeline runs in its own subprocess (``--cell``, internal), so one failing prints an
 error row and the other still runs, and by default (``--inductor-cache per-cell``) with its own
 empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR``): both startups are a first run's, neither
 reuses the other's compiled kernels. ``--inductor-cache shared`` gives both cells one empty
 cache, so the sequential cell reuses the threaded cell's kernels: a shorter run whose sequential
-startup is a restart's, labelled so in the report. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``)
+startup is a restart's, labelled so in the results. Each cell also reports Dynamo's own compile-phase seconds (``compile_phases_s``)
 and its peak memory a device (``peak_memory_gib``: reserved by torch's allocator on a GPU, the
 process's resident set on a CPU), set beside the trainer's own estimate, the figure it refuses a
 run on (``memory_estimate_gib``, by part in ``memory_estimate_gib_by_part``).
@@ -47,19 +47,17 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import dflash_processes  # noqa: E402
-import dflash_report  # noqa: E402
-import dflash_sequential  # noqa: E402
-import thread_profile  # noqa: E402
-from results_schema import EMPTY, SHARED  # noqa: E402
+from . import common
+from . import dflash_processes
+from . import dflash_sequential
+from . import thread_profile
+from .results_schema import EMPTY, SHARED, startup_comparable
 
-import torch  # noqa: E402
+import torch
 
-from examples.dflash_trainer.run.metrics import LOG_EVERY  # noqa: E402  (the trainer's tokens/s window)
-from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput  # noqa: E402
-from examples.dflash_trainer.assets.shapes import SHAPES  # noqa: E402
+from examples.dflash_trainer.run.metrics import LOG_EVERY  # (the trainer's tokens/s window)
+from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput
+from examples.dflash_trainer.assets.shapes import SHAPES
 
 
 MIN_CLEAN_WINDOWS = 2  # steady windows no profiler touched, at the least, for a profiled run
@@ -179,7 +177,7 @@ def graphs(args) -> str:
 
 
 def run_cell_subprocess(args, name: str, cfg, cache_dir: str) -> dict:
-    return common.run_cell([sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", name,
+    return common.run_cell([*common.module_command("dflash_throughput"), *args.argv, "--cell", name,
                             "--cell-config", json.dumps(cfg.to_dict()), "--cell-out"], cache_dir, args.cell_timeout)
 
 
@@ -215,7 +213,7 @@ def parse_args(argv=None):
                    help="GPU: profile this many seconds of the threaded run's steady state, attributing the device's "
                         "kernels to the threads that launched them (0: off; default %(default)s)")
     p.add_argument("--cell-timeout", type=int, default=600)
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--cell", choices=("threaded", "sequential"), help=argparse.SUPPRESS)
     p.add_argument("--cell-config", help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
@@ -226,7 +224,7 @@ def parse_args(argv=None):
     from examples.dflash_trainer.config import TrainConfig
     from examples.dflash_trainer.placement import available_devices
 
-    try:  # here, not in each cell subprocess after a 3-minute asset build
+    try:  # here, not in each cell subprocess after an asset build
         available_devices(TrainConfig(devices=args.devices).device_list)
     except (ValueError, RuntimeError) as exc:
         p.error(f"--devices {args.devices}: {exc}")
@@ -271,7 +269,7 @@ def main(argv=None) -> int:
         except BadInput as err:  # a shape with no room to build, for one
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        estimate = dflash_report.memory_estimate_gib(cfg)  # before the cells: a failure here loses no measurement
+        estimate = memory_estimate_gib(cfg)  # before the cells: a failure here loses no measurement
         results = {}
         shared = str(Path(run_dir, "inductor-cache")) if args.inductor_cache == "shared" else ""
         for name in ("threaded", "sequential", *(("processes",) if args.processes else ())):
@@ -279,23 +277,96 @@ def main(argv=None) -> int:
             results[name] = (dflash_processes.run_cell(cfg, args.processes, args.cell_timeout, shared)
                              if name == "processes" else run_cell_subprocess(args, name, cfg, shared))
             results[name]["inductor_cache"] = EMPTY if name == "threaded" or not shared else SHARED
-    figures = dflash_report.headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
-                                     results.get("processes"), estimate)
-    shape = target_label(args)
-    text = dflash_report.report(env, cfg, shape, results["threaded"], results["sequential"], figures,
-                                results.get("processes"), estimate)
-    print(text)
-    out = common.results_dir(args.out_dir)
+    figures = headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
+                       results.get("processes"), estimate)
     stem = common.results_stem(env, theme(args))
-    common.write_json(out / f"{stem}.json", {"benchmark": "dflash_throughput", "env": env, "args": vars(args),
-                                             "config": dataclasses.asdict(cfg), "seconds": round(time.perf_counter() - started, 1),
-                                             "shape": shape, "graphs": graphs(args),
-                                             "target_params": dflash_report.target_params(args.assets, args.target_shape),
-                                             "memory_estimate_gib_by_part": estimate,
-                                             **results, **figures})
-    (out / f"{stem}.md").write_text(text)
-    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+    common.save(common.results_dir(args.out_dir) / f"{stem}.json",
+                {"benchmark": "dflash_throughput", "env": env, "args": vars(args), "config": dataclasses.asdict(cfg),
+                 "seconds": round(time.perf_counter() - started, 1), "shape": target_label(args), "graphs": graphs(args),
+                 "target_params": target_params(args.assets, args.target_shape), "memory_estimate_gib_by_part": estimate,
+                 **results, **figures})
     return 0
+
+
+def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: dict | None = None,
+             estimate: dict | None = None) -> dict:
+    """The figures the DFlash table of docs/results.md shows, from both cells.
+
+    GPU-bound limit: the tokens/s the devices would give if their kernels ran back to back: batch x
+    seq_len per batch over the GPU time of a batch (sequential loop, under torch.profiler): the
+    busiest device's kernel time a round over the round's batches (a file whose sequential cell
+    trained one batch a device a round: that time, the limit then times the devices). GIL: the sequential loop's host time per batch (perf_counter
+    around one batch's Python work, the device synchronised before and after), and the number of GPUs
+    one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch.
+    Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run."""
+    batch_tokens = cfg.batch_size * cfg.seq_len
+    per_round = sequential.get("gpu_ms_per_round_by_device") or {}
+    if per_round:  # a round: one batch a drafter, spread over the devices as the threads' are
+        gpu_ms_per_batch, parallel = max(per_round.values()) / sequential["batches_per_round"], 1
+    else:  # a sequential cell of one batch a device a round
+        per_batch = sequential.get("gpu_ms_per_batch_by_device") or {}
+        gpu_ms_per_batch = max(per_batch.values()) if per_batch else None
+        parallel = len(sequential.get("devices") or [None])
+    out = {"tokens_per_s_threaded": threaded.get("tokens_per_s"),
+           "tokens_per_s_sequential": sequential.get("tokens_per_s"),
+           "tokens_per_s_last_window_threaded": threaded.get("tokens_per_s_last_window"),
+           "startup_s_threaded": threaded.get("startup_s"), "startup_s_sequential": sequential.get("startup_s"),
+           "host_gil_ms_per_batch": sequential.get("host_ms_per_batch"),
+           "gpu_ms_per_batch": gpu_ms_per_batch}
+    for name, cell in (("threaded", threaded), ("sequential", sequential)):
+        peaks = cell.get("peak_memory_gib") or {}
+        out[f"peak_memory_gib_{name}"] = max(peaks.values()) if peaks else None
+    out["memory_estimate_gib"] = sum(estimate.values()) if estimate else None
+    out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
+    out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
+                            if startup_comparable(sequential) else None)
+    if out["gpu_ms_per_batch"]:
+        out["gpu_bound_tokens_per_s"] = parallel * batch_tokens / (out["gpu_ms_per_batch"] / 1000)
+        out["gpu_bound_reason"] = None
+    else:
+        out["gpu_bound_tokens_per_s"] = None
+        out["gpu_bound_reason"] = ("no CUDA: the GPU-bound limit needs the GPU kernel time of a batch" if not on_gpu
+                                   else "the sequential cell measured no GPU kernel time (it failed, or ran too few rounds)")
+    out["ratio_threaded_to_gpu_bound"] = _div(out["tokens_per_s_threaded"], out["gpu_bound_tokens_per_s"])
+    out["ratio_sequential_to_gpu_bound"] = _div(out["tokens_per_s_sequential"], out["gpu_bound_tokens_per_s"])
+    out["projected_gpus_per_process"] = _div(out["gpu_ms_per_batch"], out["host_gil_ms_per_batch"])
+    if processes is not None:  # --processes: one process per device (dflash_processes.py)
+        out["tokens_per_s_processes"] = processes.get("tokens_per_s")
+        out["startup_s_processes"] = processes.get("startup_s")
+        out["ratio_threaded_to_processes"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_processes"])
+        out["ratio_processes_to_gpu_bound"] = _div(out["tokens_per_s_processes"], out["gpu_bound_tokens_per_s"])
+    return out
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def memory_estimate_gib(cfg) -> dict:
+    """The trainer's own estimate of what the threaded run needs on each device, GiB by part
+    (``sizes.per_device``, the figure it refuses a run on): set beside the cells' measured peaks."""
+    from examples.dflash_trainer.assets import sizes
+    from examples.dflash_trainer.pipeline import resolve_inputs
+    from examples.dflash_trainer.policy import ExecutionPolicy
+    from examples.dflash_trainer.target import TargetSource
+
+    devices = cfg.device_list
+    policy = ExecutionPolicy.resolve(cfg, devices)
+    shape = TargetSource(resolve_inputs(cfg)[0], cfg.num_feature_layers, policy.target_dtype).shape()
+    parts = sizes.per_device(cfg, shape.config, sum(p.numel() for p in shape.model.parameters()),
+                             policy.target_dtype, devices)
+    return {k: v / sizes.GiB for k, v in parts.items()}
+
+
+def target_params(assets_kind: str, target_shape) -> int:
+    """The target's parameter count, from its build report (both builds are cached by now)."""
+    from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
+    from examples.dflash_trainer.assets.shapes import shape_target
+
+    assets = default_assets(spec=BuildSpec.tiny() if assets_kind == "tiny" else None)
+    if target_shape is not None:
+        return shape_target(target_shape, assets).report["num_parameters"]
+    return assets.load_report()["num_parameters"]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""What the eager fence costs a steady-state step: fenced and unfenced phases interleaved in one process.
+"""What the eager fence costs a steady-state step, fenced and unfenced phases in turn.
 
-    python -m benchmarks fence-overhead [--phases 10] [--phase-seconds 0.6] [--out-dir benchmarks/results]
+    python -m benchmarks fence-overhead [--phases 10] [--phase-seconds 0.6] [--out-dir DIR]
 
 Workers (``CompiledWorkerThread``) train or infer the small launch-bound model of
 ``replay_step_time.py`` (24 x [Linear 512, GELU, LayerNorm], batch 16) with CUDAGraph Trees, alone
@@ -21,18 +21,15 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import results_schema  # noqa: E402
-from small_model import allow_recompiles, mlp  # noqa: E402
+from . import common
+from . import results_schema
+from .small_model import allow_recompiles, mlp
 
-import threadgraph  # noqa: E402
+import threadgraph
 
 EAGER_PATH_PATCHES = ("fence_rng", "fence_synchronize")
 
@@ -115,7 +112,7 @@ def main(argv=None) -> None:
     p.add_argument("--phases", type=int, default=10, help="alternating phases, fenced first (even count)")
     p.add_argument("--phase-seconds", type=float, default=0.6)
     p.add_argument("--warmup", type=int, default=10, help="steps before timing (compile and capture)")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    common.add_out_dir(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("fence_overhead.py needs a CUDA GPU: it times CUDAGraph Trees replays")
@@ -131,18 +128,7 @@ def main(argv=None) -> None:
     meta = {"gpu": gpu, "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat(),
             "phases": args.phases, "phase_seconds": args.phase_seconds}
     stem = f"fence-overhead_{gpu}_torch{meta['torch']}_{meta['date']}"
-    lines = [f"# Eager fence overhead on a steady-state step: {gpu}, torch {meta['torch']}, {meta['date']}", "",
-             f"Small model, CUDAGraph Trees in worker threads; {args.phases} phases of {args.phase_seconds} s, "
-             "fenced and unfenced in turn, one process per run; wall time per step (GPU included).", "",
-             "| task | workers | fenced p50 ms | unfenced p50 ms | fenced / unfenced | steps (fenced, unfenced) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['task']} | {r['workers']} | {r['fenced_p50_ms']} | {r['unfenced_p50_ms']} | "
-              f"{r['ratio_fenced_over_unfenced']} | {r['steps']['fenced']}, {r['steps']['unfenced']} |" for r in rows]
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results_schema.write(out / f"{stem}.json", {**meta, "rows": rows})
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    common.save(common.results_dir(args.out_dir) / f"{stem}.json", {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import dflash_throughput  # noqa: E402
-import pyspy  # noqa: E402
+from . import common
+from . import results_schema
+from . import dflash_throughput
+from . import pyspy
 
 def thread_kind(name: str) -> str:
     return name.split("-")[0] if re.match(r"^(target|drafter)-\d+$", name) else name
@@ -93,24 +92,6 @@ def summarise(gil: list, wall: list) -> dict:
     }
 
 
-def report(summary: dict, args, env: dict, seconds: float) -> str:
-    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    rows = [[r["thread"], r["stage"], pct(r["gil_share"]), pct(r["thread_wall_share"])] for r in summary["stages"]]
-    leaves = [[r["frame"], pct(r["gil_share"])] for r in summary["leaves"]]
-    return "\n".join([
-        f"# GIL profile of the threaded DFlash pipeline ({'GPU' if env['gpu'] else 'CPU reduced form'})", "",
-        *common.header_lines(env),
-        f"- devices {args.devices}; cuda graphs {args.cuda_graphs or 'trees'}; {args.targets} + {args.drafters} "
-        f"threads; py-spy at {args.rate} Hz for {seconds:.1f} s from step {args.start_step}",
-        "", f"**GIL busy: {common.fmt(summary['gil_busy'])}** ({summary['gil_samples']} GIL samples in "
-        f"{summary['ticks']} ticks)", "",
-        "GIL share by thread kind: " + ", ".join(f"{k} {pct(v)}" for k, v in summary["gil_share_by_thread"].items()), "",
-        common.markdown_table(["thread", "where (what the worker's step called)", "share of GIL samples",
-                               "share of that thread kind's wall samples"], rows), "",
-        "## Innermost frames holding the GIL", "", common.markdown_table(["frame", "share of GIL samples"], leaves), "",
-    ])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each recording (default 10)")
@@ -121,7 +102,7 @@ def main(argv=None) -> int:
     args.seconds, args.start_step, args.rate = own.seconds, own.start_step, own.rate
     py_spy = pyspy.find()
     if py_spy is None:
-        print("error: py-spy not found; pip install py-spy (in threadgraph's bench extra)", file=sys.stderr)
+        print("error: py-spy not found; pip install -r benchmarks/requirements.txt", file=sys.stderr)
         return 2
     from examples.dflash_trainer.train import train
 
@@ -142,16 +123,12 @@ def main(argv=None) -> int:
         seconds = recorder.finish()
         summary = summarise(recorder.samples("gil"), recorder.samples("wall"))
         stem = common.results_stem(env, "gil-profile")
-        for name in ("gil", "wall"):
-            shutil.copy(Path(run_dir, f"{name}.txt"), out / f"{stem}_{name}.txt")
-    text = report(summary, args, env, seconds)
-    print(text)
-    common.write_json(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
-                                             "recorded_seconds": seconds, **summary,
-                                             "tokens_per_s_steady": results.tokens_per_s_steady,
-                                             "workers": results.to_json()["workers"]})
-    (out / f"{stem}.md").write_text(text)
-    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+        for name in ("gil", "wall"):  # py-spy's raw stacks, beside the results but no results file
+            (out / f"{stem}_{name}.txt").write_text(results_schema.neutral(Path(run_dir, f"{name}.txt").read_text()))
+    common.save(out / f"{stem}.json", {"benchmark": "gil_profile", "env": env, "args": vars(args),
+                                       "recorded_seconds": seconds, **summary,
+                                       "tokens_per_s_steady": results.tokens_per_s_steady,
+                                       "workers": results.to_json()["workers"]})
     return 0
 
 

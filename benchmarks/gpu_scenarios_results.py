@@ -1,39 +1,47 @@
-"""The ``gpu-scenarios`` results file, from the records of a GPU test run.
+"""The results files of a GPU test run, from its records: ``gpu-scenarios`` and ``fence-matrix``.
 
-    THREADGRAPH_GPU_LOG=/tmp/gpu-log python -m pytest -m gpu -n 8 --junitxml=/tmp/gpu-log/junit.xml
-    python -m benchmarks gpu-scenarios /tmp/gpu-log --label suite
+    THREADGRAPH_GPU_LOG=gpu-log python -m pytest -m gpu --junitxml=gpu-log/junit.xml
+    python -m benchmarks gpu-scenarios gpu-log --label suite
+    THREADGRAPH_GPU_LOG=fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
+    python -m benchmarks fence-matrix fence-log
 
 With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` writes every scenario run's
 record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
-This script turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase, named by
-``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
-(a file of that date gets the phase added; a label it already has is refused), and writes the
-file's ``.md``. The trainer runs of the trainer's GPU tests (``python -m examples.dflash_trainer``)
-are kept too, each as its mode, steps, losses, steady tokens/s and startup; a folder of trainer runs
-only names its GPU with ``--gpu`` (their records name torch, not the GPU). A run that failed is kept
-as ``{"error": ...}``; with the junit XML in the folder the phase also holds every test's outcome
-(``pytest_outcomes``). ``--unreached FOLDER...`` prints instead the GPU tests that no run of the
-folders reached (a run its step timeout cut short), for ``tools/gpu_evidence.sh tests FILE``.
-``THREADGRAPH_GPU_STEPS=1000``
-gives the 1000-step figures of docs/results.md.
-"""
 
+``gpu-scenarios`` turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase,
+named by ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
+(a file of that date gets the phase added; a label it already has is refused). The trainer runs of
+the trainer's GPU tests (``python -m examples.dflash_trainer``) are kept too, each as its mode, steps,
+losses, steady tokens/s and startup; a folder of trainer runs only names its GPU with ``--gpu`` (their
+records name torch, not the GPU). A run that failed is kept as ``{"error": ...}``; with the junit XML
+in the folder the phase also holds every test's outcome (``pytest_outcomes``).
+``THREADGRAPH_GPU_STEPS=1000`` gives the 1000-step figures of docs/results.md.
+
+``fence-matrix`` turns the records of ``tests/helpers/gpu_fence_scenarios.py`` (run and asserted on by
+``tests/library/test_gpu_fence.py``; this script asserts nothing) into
+``fence-matrix_<gpu>_torch<version>_<date>.json``: every cell of the matrix (a plain thread's eager op
+class beside 3 workers' warm-ups and recordings, training and inference, with and without the fence)
+and pytorch#123177's repro runs by variant; a run that printed no result is kept with its exit status.
+"""
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import subprocess
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import headlines  # noqa: E402
-import results_schema  # noqa: E402
+from . import common
+from . import results_schema
+from .headlines import fence_variant
 
 MODULE = "tests.helpers.gpu_scenarios"
+FENCE_MODULE = "tests.helpers.gpu_fence_scenarios"
+OP_CLASSES = ("rng", "compiled_rng", "sync", "host", "memory")
+KINDS = ("train", "infer")
+VARIANTS = ("fenced", "unfenced")
 TRAINER = "examples.dflash_trainer"
 TRAINER_KEPT = ("mode", "placement", "total_steps", "losses", "tokens_per_s_steady", "startup_s", "build_s")
 OUTCOMES = "pytest_outcomes"
@@ -107,7 +115,7 @@ def last_record_time(records: list[dict]) -> datetime.datetime:
 
 def identity(records: list[dict], gpu: str | None = None) -> tuple[str, str]:
     """The GPU and torch the runs had: one of each, or the records are of several runs. A scenario
-    names them in its result; a trainer run's record names the machine's (older records name only
+    names them in its result; a trainer run's record names the machine's (some records name only
     the torch that built the target, and ``gpu`` the GPU)."""
     seen = set()
     for r in records:
@@ -144,101 +152,76 @@ def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> 
     if junit.exists():
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
-    text = render(data, env)  # before writing anything: a failure leaves the file as it was
-    common.write_json(path, data)
-    path.with_suffix(".md").write_text(text)
-    return path
+    return common.save(path, data)
 
 
-def trainer_headline(result: dict) -> tuple | None:
-    """A trainer run's line: its mode and steps, its last loss, steady tokens/s and startup (a figure
-    the run did not give is said as such)."""
-    if "error" in result or "mode" not in result:
-        return None
-    losses = result.get("losses") or [None]
-    return (f"trainer, {result['mode']}, {result['total_steps']} steps",
-            f"last loss {common.fmt(losses[-1], 3)}, {common.fmt(result.get('tokens_per_s_steady'), 0)} tokens/s "
-            f"steady, startup {common.fmt(result.get('startup_s'), 1)} s (build {common.fmt(result.get('build_s'), 1)} s)")
+def option(args: list, name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
 
 
-def render(data: dict, env: dict) -> str:
-    lines = [f"# GPU scenarios: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
-             "Written by `python -m benchmarks gpu-scenarios` from the records of the GPU tests "
-             "(`tests/helpers/gpu_scenarios.py` and the trainer's GPU tests, each run in a fresh process); one section per "
-             "phase, a test run.", ""]
-    for label, phase in data.items():
-        rows = []
-        for tag, result in phase.items():
-            if tag == OUTCOMES:
-                continue
-            headline = headlines.scenario_headline(tag, result) or trainer_headline(result)
-            rows.append([tag, result.get("seconds"), result.get("error") or "ran",
-                         f"{headline[0]}: {headline[1]}" if headline else "-"])
-        lines += [f"## {label}", "", common.markdown_table(["scenario", "seconds", "outcome", "headline"], rows), ""]
-        tests = phase.get(OUTCOMES, {})
-        if tests:
-            passed = sum(v == "passed" for v in tests.values())
-            lines += [f"Tests: {passed} of {len(tests) - (INTERRUPTED in tests)} passed.", ""]
-            if INTERRUPTED in tests:
-                lines += ["The run did not finish (pytest's own error, as when a step timeout interrupts it): "
-                          "tests it had not reached are not in this table.", ""]
-            lines += [
-                      common.markdown_table(["test", "outcome"], [(t, " ".join(v.split())) for t, v in tests.items()]), ""]
-    return "\n".join(lines)
+def fence_entry(record: dict) -> dict:
+    """A record as the results file keeps it: the scenario's result with its arguments and exit
+    status, or, when it printed none, why."""
+    args = record["args"][2:]
+    if record["rc"] == 0 and record["result"] is not None:
+        return {**record["result"], "args": args, "rc": 0}
+    return {"args": args, "rc": record["rc"], "stderr_tail": record.get("last_stderr_line") or "no result printed"}
 
 
-def node_id(case_name: str) -> str:
-    """An outcome's name (``tests.library.test_gpu::test_x[3]``) as pytest's node id."""
-    module, _, test = case_name.partition("::")
-    return f"{module.replace('.', '/')}.py::{test}"
+def _natural(tag: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", tag)]
 
 
-def unreached(folders: list[Path], collected: list[str]) -> list[str]:
-    """The collected GPU tests that no junit XML of the folders has an outcome for (a run cut short)."""
-    seen = set()
-    for folder in folders:
-        junit = folder / "junit.xml"
-        if not junit.exists():
-            raise SystemExit(f"{junit}: no such file; give the folders of test runs made with --junitxml there")
-        seen.update(node_id(name) for name in outcomes(junit))
-    return [test for test in collected if test not in seen]
+def collect_fence(folder: Path, out_dir: Path) -> Path:
+    """The folder's fence scenario records as the day's fence-matrix results file; its path."""
+    records = sorted(read_records(folder, (FENCE_MODULE,)), key=lambda r: _natural(r["tag"]))
+    gpu, torch_version = identity(records)
+    last = last_record_time(records)
+    cells, repro = [], {v: [] for v in VARIANTS}
+    for record in records:
+        args = record["args"][2:]
+        if args[:1] == ["matrix"]:
+            cells.append(fence_entry(record))
+        elif args[:1] == ["repro_123177"]:
+            repro[fence_variant({"args": args})].append(fence_entry(record))
+    order = {(v, c, k): i for i, (v, c, k) in enumerate((v, c, k) for v in VARIANTS for c in OP_CLASSES for k in KINDS)}
+    cells.sort(key=lambda cell: order.get((fence_variant(cell), option(cell["args"], "--ops", "rng"),
+                                           option(cell["args"], "--kind", "train")), len(order)))
+    env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
+    data = {"gpu": results_schema.machine_of(gpu), "torch": torch_version.split("+")[0], "date": env["date"],
+            "cells": cells, "repro": repro}
+    path = out_dir / f"{results_schema.stem(env, 'fence-matrix')}.json"
+    return common.save(path, data)
 
 
-def collect_gpu_tests() -> list[str]:
-    """pytest's node ids of every GPU test (``-m gpu``), slow ones included."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "tests"], cwd=common.ROOT, capture_output=True, text=True)
-    tests = [line for line in proc.stdout.splitlines() if "::" in line]
-    if proc.returncode not in (0, 5) or not tests:
-        raise SystemExit(f"collecting the GPU tests failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return tests
+def missing_cells(data: dict) -> list[str]:
+    """Cells of the whole matrix that the run has no record of (a run of some of the tests)."""
+    have = {(fence_variant(c), option(c["args"], "--ops", "rng"), option(c["args"], "--kind", "train")) for c in data["cells"]}
+    return [f"{c} {k} {v}" for v in VARIANTS for c in OP_CLASSES for k in KINDS if (v, c, k) not in have]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", type=Path, nargs="+", metavar="folder", help="the folder THREADGRAPH_GPU_LOG named")
-    p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
-    p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
-    p.add_argument("--unreached", action="store_true",
-                   help="print the GPU tests that none of the folders' junit.xml has an outcome for, one node id "
-                        "a line (for tools/gpu_evidence.sh tests FILE), and write nothing")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    what = argv.pop(0) if argv[:1] in (["gpu-scenarios"], ["fence-matrix"]) else "gpu-scenarios"
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {what}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="the folder THREADGRAPH_GPU_LOG named")
+    common.add_out_dir(p)
+    if what == "gpu-scenarios":
+        p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
+        p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
     args = p.parse_args(argv)
-    for folder in args.folders:
-        if not folder.is_dir():
-            p.error(f"{folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
-    if args.unreached:
-        print("\n".join(unreached(args.folders, collect_gpu_tests())))
+    if not args.folder.is_dir():
+        p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
+    if what == "fence-matrix":
+        missing = missing_cells(results_schema.load(collect_fence(args.folder, common.results_dir(args.out_dir))).data)
+        if missing:
+            print(f"no record of the cells {'; '.join(missing)}: the file holds the others", file=sys.stderr)
         return 0
-    if len(args.folders) != 1:
-        p.error("give one folder (several only with --unreached)")
-    args.folder = args.folders[0]
     if not args.label or " " in args.label:
         p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
-    path = collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
-    print(f"wrote {path} and its .md")
+    collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,31 +6,25 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from results_schema import family, startup_comparable, trainer_runs_of
+from .results_schema import AS_THREADED, family, startup_comparable, timed_alike, trainer_runs_of
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
               "compile": "compile"}
-# What the threaded 5 target + 3 drafter pipeline aims at in tokens/s over the sequential loop
-# (benchmarks/README.md, Targets): spread over several GPUs, 1.5x; on one GPU, where both pipelines
-# do the same work on the same device, 0.98x (threading costs at most 2 %).
-TARGET_RATIO = 1.5
-ONE_GPU_TARGET_RATIO = 0.98
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
-
-
-def target_ratio(devices: Optional[str], visible_gpus: Optional[int]) -> float:
-    """The aim of a dflash-throughput run on ``devices`` (its --devices; None: every visible GPU)."""
-    named = {d.strip() for d in devices.split(",") if d.strip()} if devices else set()
-    count = len({"cuda:0" if d == "cuda" else d for d in named}) if named else (visible_gpus or 1)
-    return ONE_GPU_TARGET_RATIO if count <= 1 else TARGET_RATIO
 
 
 # -- one extractor per theme: (configuration, figure) pairs -----------------------------------------
 
+def device_word(data: dict) -> str:
+    """'GPU' for a run on a GPU, 'CPU' for a CPU run: what its placements are named by."""
+    return "GPU" if (data.get("env") or {}).get("gpu") else "CPU"
+
+
 def replay(data: dict) -> list:
     """Per-thread p50 of one worker; two workers one per GPU against it (the scaling target), with
-    the steps/s of both and of two processes; three workers sharing one GPU, in steps/s."""
+    the steps/s of both and of two processes; M workers sharing one device, in steps/s."""
     rows = {(r["task"], r["placement"], r["mode"]): r for r in data["rows"] if r.get("p50_ms") is not None}
+    device = device_word(data)
     out = []
     for (task, placement, mode), row in rows.items():
         if placement != "worker":
@@ -38,12 +32,12 @@ def replay(data: dict) -> list:
         figure = f"1 worker thread {row['p50_ms']:.2f} ms"
         per_gpu, procs, shared = (rows.get((task, p, mode)) for p in ("per-gpu", "procs-per-gpu", "shared"))
         if per_gpu is not None:
-            figure += (f"; 2 workers one per GPU {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone; "
+            figure += (f"; {per_gpu['workers']} workers one per {device} {per_gpu['p50_ms']:.2f} ms ({per_gpu['p50_ms'] / row['p50_ms']:.2f}x alone; "
                        f"{per_gpu['steps_per_s']:.0f} steps/s together, {row['steps_per_s']:.0f} alone)")
         if procs is not None:
-            figure += f"; 2 processes one per GPU {procs['steps_per_s']:.0f} steps/s"
+            figure += f"; {procs['workers']} processes one per {device} {procs['steps_per_s']:.0f} steps/s"
         if shared is not None:
-            figure += f"; {shared['workers']} workers on one GPU {shared['steps_per_s']:.0f} steps/s"
+            figure += f"; {shared['workers']} workers on one {device} {shared['steps_per_s']:.0f} steps/s"
         if row.get("gil_busy") is not None:
             figure += f"; GIL busy {float(row['gil_busy']):.0%}"
         out.append((f"{task}, {MODE_NAMES.get(mode, mode)}", figure))
@@ -52,16 +46,21 @@ def replay(data: dict) -> list:
 
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
-    gpus = len(data["sequential"].get("devices", [])) or 1
+    devices = len(data["sequential"].get("devices", [])) or 1
+    device = device_word(data)
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
               f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
+    caveats = [*([] if data["sequential"].get("training") == AS_THREADED else ["a sequential loop of more optimizer work"]),
+               *([] if timed_alike(data["sequential"]) else ["the two sides not timed alike"])]
+    if caveats:
+        figure += f" ({', '.join(caveats)})"
     if data.get("gpu_bound_tokens_per_s"):
         figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
     if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
         figure += (f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
                    + ("" if startup_comparable(data["sequential"]) else f" ({RESTART})"))
     target = f"{data['shape']} target, " if "shape" in data else ""
-    return [(f"{target}{MODE_NAMES.get(mode, mode)}, {gpus} GPU{'s' if gpus > 1 else ''}", figure)]
+    return [(f"{target}{MODE_NAMES.get(mode, mode)}, {devices} {device}{'s' if devices > 1 else ''}", figure)]
 
 
 def _kilo(value) -> str:
@@ -71,20 +70,6 @@ def _kilo(value) -> str:
 
 def _fixed(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def dflash_ab(data: dict) -> list:
-    """One row per tree: the range of its runs, taken in turns with the other trees on one machine."""
-    mode = MODE_NAMES.get(data["graphs"], data["graphs"])
-
-    def span(t, key, scale, fmt):
-        lo, hi = (format(t[f"{key}_{end}"] / scale, fmt) for end in ("min", "max"))
-        return lo if lo == hi else f"{lo} - {hi}"
-
-    return [(f"{data['shape']} target, {mode}: tree {name}, {t['runs']} run{'s' if t['runs'] > 1 else ''}",
-             f"threaded {span(t, 'tokens_per_s_threaded', 1e3, '.0f')}k tokens/s, sequential "
-             f"{span(t, 'tokens_per_s_sequential', 1e3, '.0f')}k; sequential host {span(t, 'host_gil_ms_per_batch', 1, '.2f')} ms/batch")
-            for name, t in data["trees"].items()]
 
 
 def tau_reproducibility(data: dict) -> list:
@@ -97,7 +82,8 @@ def tau_reproducibility(data: dict) -> list:
 def _trainer_run(name: str, run: dict) -> tuple:
     gpus = len(set(re.findall(r"cuda:\d+", run["placement"])))
     base = run["baseline"]
-    return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {gpus} GPU{'s' if gpus > 1 else ''}",
+    where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
+    return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {where}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
             f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s"
             + _startup(run))
@@ -194,35 +180,16 @@ def scenario_headline(scenario: str, result: dict) -> Optional[tuple]:
 
 
 def gpu_scenarios(data: dict) -> list:
-    """Each phase's run of the headline scenarios (a phase is one device call, named by its label)."""
-    out = []
-    for label, phase in data.items():
-        for scenario, result in phase.items():
-            row = scenario_headline(scenario, result)
-            if row is not None:
-                out.append((f"{row[0]} ({label.split(' ')[0]})", row[1]))
-    return out
-
-
-def gpu_scenarios_latest(data: dict) -> list:
     """The headline scenarios, each from the last phase that ran it (phases are in the order they ran)."""
     latest = {scenario: (label, result) for label, phase in data.items() for scenario, result in phase.items()}
     rows = [(label, scenario_headline(scenario, result)) for scenario, (label, result) in latest.items()]
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
-def doctor_selftest(data: dict) -> list:
-    """Each selftest check: its verdict and step time."""
-    return [(f"doctor --selftest: {c['check']}", ("PASS" if c["passed"] else "FAIL")
-             + (f", step p50 {c['p50_ms']:.3f} ms" if "p50_ms" in c else f": {c.get('error', '')}"))
-            for c in data["checks"]]
-
-
-EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-ab": dflash_ab, "dflash-trainer": dflash_trainer,
+EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
-              "install-overhead": install_overhead, "conformance": conformance,
-              "doctor-selftest": doctor_selftest}
+              "install-overhead": install_overhead, "conformance": conformance}
 
 
 def extractor(theme: str):

@@ -1,6 +1,6 @@
 """What ``threadgraph.install()`` costs a single-threaded user: replay step p50 with and without it.
 
-    python -m benchmarks install-overhead [--turns 3] [--steps 400] [--out-dir benchmarks/results]
+    python -m benchmarks install-overhead [--turns 3] [--steps 400] [--out-dir DIR]
 
 The main thread trains (forward, backward, SGD) and infers the small launch-bound model
 (24 x [Linear 512, GELU, LayerNorm], batch 16, bf16) with CUDAGraph Trees; nothing else runs.
@@ -20,15 +20,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-from small_model import mlp  # noqa: E402
+from . import common
+from .small_model import mlp
 
 TASKS = ("train", "infer")
 WARMUP = 5
@@ -74,7 +71,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=3, help="pairs of processes (one plain, one installed)")
     parser.add_argument("--steps", type=int, default=400, help="timed steps per task and process")
-    parser.add_argument("--out-dir", help="where to write the results (default benchmarks/results)")
+    common.add_out_dir(parser)
     parser.add_argument("--cell", choices=("installed", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.turns < 1 or args.steps < 1:
@@ -93,8 +90,8 @@ def main(argv: list[str]) -> int:
         order += ["plain", "installed"] if turn % 2 == 0 else ["installed", "plain"]
     for index, kind in enumerate(order, 1):
         print(f"[{index}/{len(order)}] {kind} ...", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, __file__, "--cell", kind, "--steps", str(args.steps)],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run([*common.module_command("install_overhead"), "--cell", kind, "--steps", str(args.steps)],
+                              env=common.child_env(), capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             print(f"a {kind} process failed: {common.exit_error(done.returncode, done.stderr)}", file=sys.stderr)
             return 1
@@ -108,19 +105,7 @@ def main(argv: list[str]) -> int:
     record = {"theme": "install-overhead", "env": env, "steps": args.steps, "turns": args.turns,
               "runs": runs, "summary": summary,
               "command": f"python -m benchmarks install-overhead --turns {args.turns} --steps {args.steps}"}
-    rows = [[task, common.fmt(s["plain_p50_ms"], 3), common.fmt(s["installed_p50_ms"], 3), common.fmt(s["ratio"], 3)]
-            for task, s in summary.items()]
-    table = common.markdown_table(["task", "plain p50 ms", "install() p50 ms", "install() / plain"], rows)
-    lines = ["# install() overhead on a single-threaded CUDAGraph Trees step", "", *common.header_lines(env), "",
-             f"Main thread only, small model, bf16; {args.turns} processes of each kind in turns, {args.steps} timed "
-             "steps per task each; each figure is the median of the processes' p50s.", "", table, "",
-             f"Regenerate: `{record['command']}`"]
-    print("\n".join(lines))
-    out = common.results_dir(args.out_dir) / common.results_stem(env, "install-overhead")
-    # results_stem ends in a date with dots before it: with_suffix would cut at the version's dot.
-    common.write_json(out.parent / f"{out.name}.json", record)
-    (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {out}.json and .md", file=sys.stderr)
+    common.save(common.results_dir(args.out_dir) / f"{common.results_stem(env, 'install-overhead')}.json", record)
     return 0
 
 

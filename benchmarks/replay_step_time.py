@@ -14,7 +14,7 @@ Every (mode, placement) cell runs in its own subprocess (``--cell``, internal), 
 capture costs one error row and the rest carry on. Without a GPU it runs a CPU reduced form
 (a smaller model, eager and compile only); those numbers say nothing about CUDA graphs.
 Warmup steps (which include compilation and capture) are excluded from every time. What a cell
-steps is in ``replay_work.py``; the report, the plot and ``--render`` in ``replay_report.py``.
+steps is in ``replay_work.py``; its results file is written by ``replay_results.py``.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import pyspy  # noqa: E402
+from . import common
+from . import pyspy
 
-import torch  # noqa: E402
-from replay_report import PLACEMENTS, render, write_results  # noqa: E402
-from replay_work import CPU_MODES, MODES, TASKS, Plan  # noqa: E402
+import torch
+from .replay_results import PLACEMENTS, write_results
+from .replay_work import CPU_MODES, MODES, TASKS, Plan
 
 BARRIER_TIMEOUT_S = 900
 
@@ -274,9 +273,10 @@ def run_cell_subprocess(args, mode: str, key: str, label: str, workers: int, tas
     """A fresh process per cell: a failed capture can leave CUDA state (the RNG, the allocator) broken."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
-        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--cell", mode, key, task, "--cell-out", str(out)]
+        cmd = [*common.module_command("replay_step_time"), *args.argv, "--cell", mode, key, task, "--cell-out", str(out)]
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=args.cell_timeout)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  timeout=args.cell_timeout, env=common.child_env())
         except subprocess.TimeoutExpired:
             error = f"timed out after {args.cell_timeout} s"
         else:
@@ -303,7 +303,7 @@ def parse_args(argv=None):
                    help="what capture_step captures: the eager step or a torch.compile(default) one")
     p.add_argument("--quick", action="store_true", help="few steps, no process placements (CI smoke test)")
     p.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell subprocess")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     p.add_argument("--append", action="store_true",
                    help="merge into today's results file, replacing only the cells measured again (to split a "
                         "GPU run into several commands, e.g. one per --modes)")
@@ -311,8 +311,7 @@ def parse_args(argv=None):
                    help="like --append, with the earlier rows from this results JSON (any day)")
     p.add_argument("--gil-profile", type=float, default=0.0, metavar="SECONDS",
                    help="in thread placements, after the timed steps, record the process with py-spy for SECONDS "
-                        "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in the bench extra)")
-    p.add_argument("--render", metavar="JSON", help="rewrite the .md and .png of a results JSON, then exit")
+                        "(GIL-busy fraction and the frames holding the GIL; needs py-spy, in benchmarks/requirements.txt)")
     p.add_argument("--cell", nargs=3, metavar=("MODE", "PLACEMENT", "TASK"), help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -338,7 +337,7 @@ def parse_args(argv=None):
     if args.gil_profile < 0:
         p.error("--gil-profile takes seconds >= 0")
     if args.gil_profile and pyspy.find() is None:
-        p.error("--gil-profile needs py-spy: pip install py-spy (or threadgraph's bench extra)")
+        p.error("--gil-profile needs py-spy: pip install -r benchmarks/requirements.txt")
     if args.warmup < 3 or args.steps < 1 or args.share < 1:
         p.error("need --warmup >= 3 (compile and capture happen there), --steps >= 1, --share >= 1")
     return args
@@ -347,12 +346,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     common.exit_on_sigterm()
-    if args.render:
-        render(Path(args.render))
-        return 0
     if args.cell:
         if not common.on_gpu():
-            torch.set_num_threads(1)  # see replay_report.CPU_THREADS_NOTE
+            torch.set_num_threads(1)  # OpenMP pools oversubscribe small CPUs: 100x outliers
         common.finish_cell(args.cell_out, run_cell(args, *args.cell))  # a row
     env = common.environment()
     started, rows = time.perf_counter(), []

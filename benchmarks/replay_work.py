@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-import common
+from . import common
 
 MODES = ("eager", "compile", "reduce-overhead", "whole-step")
 CPU_MODES = ("eager", "compile")

@@ -1,7 +1,7 @@
 """The results files of benchmarks/results/: their names, the fields each theme's JSON must hold,
 and the one way to read and write them.
 
-A results file is named ``<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}``: its
+A results file is named ``<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.json``: its
 header (theme, machine, torch, date) is in the name, for every file old or new. Where the JSON also
 records them (``env``, or top-level ``torch`` / ``date`` / ``gpu`` / ``machine`` in files without
 an ``env``), they must agree with the name. Each theme's JSON must hold the fields its renderers
@@ -22,15 +22,15 @@ from typing import Any, NamedTuple, Optional
 RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = "README.md"  # the folder's index, the one file not named by the rule
 NAME = re.compile(r"^(?P<theme>[a-z0-9.-]+)_(?P<machine>[a-z0-9-]+)_torch(?P<torch>\d[\w.]*)_"
-                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md|png)$")
-RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md,png}"
+                  r"(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md)$")
+RULE = "<theme>_<gpu-or-cpu>_torch<version>_<YYYY-MM-DD>.{json,md}"
 
 # A dflash-throughput cell's ``inductor_cache``: the cache it started on.
 EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 # A dflash-throughput sequential cell's ``training``: the threads' own training (their replicas, the
-# mean gradient of a round, one AdamW step a round on each device). Cells without the key stepped one
-# replica a device with AdamW after every batch: more optimizer work than threads that share a device's
-# weights (trainer since commit 672efbc), the same as threads that each stepped their own copy (before).
+# mean gradient of a round, one AdamW step a round on each device). A cell without the key stepped one
+# replica a device with AdamW after every batch: more optimizer work than the threads, whose drafters
+# share a device's weights.
 AS_THREADED = "as threaded"
 
 
@@ -102,7 +102,6 @@ THEMES: dict[str, dict[str, Any]] = {
     "replay": {"env": dict, "rows": list, "rows[]": {"task": str, "placement": str, "mode": str}},
     "dflash-throughput": {"env": dict, "shape": str, "graphs": str, "args": dict, "threaded": dict,
                           "sequential": dict, "ratio": OPTIONAL_NUMBER},
-    "dflash-ab": {"env": dict, "shape": str, "graphs": str, "runs": list, "trees": dict},
     "dflash-trainer": {},  # one trainer --json output, or runs under names: checked by trainer_runs_of
     "dflash-tau-reproducibility": {"env": dict, "builds": list, "bit_identical": bool, "differing_files": list,
                                    "tau": dict},
@@ -112,7 +111,6 @@ THEMES: dict[str, dict[str, Any]] = {
                                                 "unfenced_p50_ms": NUMBER, "ratio_fenced_over_unfenced": NUMBER}},
     "install-overhead": {"env": dict, "summary": dict},
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
-    "doctor-selftest": {"checks": list, "checks[]": {"check": str, "passed": bool}},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
@@ -175,7 +173,7 @@ def validate(file_name: str, data: Any) -> Name:
     """Check a results JSON against its name's theme; its header (from the name) when it passes."""
     name = parse_name(file_name)
     if name is None or name.ext != "json":
-        raise ResultsError(file_name, "name", f"not {RULE.replace('{json,md,png}', 'json')}")
+        raise ResultsError(file_name, "name", f"not {RULE.replace('{json,md}', 'json')}")
     if not isinstance(data, dict):
         raise ResultsError(file_name, "(top level)", f"expected an object, found {type(data).__name__}")
     try:
@@ -240,17 +238,44 @@ def misnamed(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name != INDEX and parse_name(p.name) is None)
 
 
+# An absolute path as results files must not hold one: a '/' that starts a word (not a URL's, a
+# relative path's or a ratio's), then one or more path parts.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/<>~-])/[\w.+-]+(?:/[\w.+-]+)*/?")
+
+
+def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent) -> Any:
+    """``value`` (text, or JSON data: every string in it) with each absolute path made relative to
+    the repository root (inside it) or cut to its last part (outside it: a cache, a temporary
+    folder), so that no results file names the folders of the machine that wrote it."""
+    if isinstance(value, dict):
+        return {neutral(k, root): neutral(v, root) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [neutral(v, root) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def shown(found: re.Match) -> str:
+        path = Path(found.group(0))
+        try:
+            return str(path.relative_to(root)) if path != root else "."
+        except ValueError:
+            return path.name or "."
+    return ABSOLUTE_PATH.sub(shown, value)
+
+
 def write(path: Path, data: dict) -> Path:
-    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent)."""
+    """Check ``data`` against the schema of ``path``'s name, then write it (one space indent) with no
+    absolute path in it (``neutral``)."""
     path = Path(path)
-    validate(path.name, json.loads(json.dumps(data, default=str)))
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    data = neutral(json.loads(json.dumps(data, default=str)))
+    validate(path.name, data)
+    path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
 
 def inductor_cache(cell: dict) -> str:
-    """The Inductor cache a dflash-throughput cell started on, also for files from before per-cell
-    caches (which came with ``compile_phases_s``), whose sequential cell ran on the threaded cell's cache."""
+    """The Inductor cache a dflash-throughput cell started on. A cell without ``inductor_cache`` started
+    on an empty one when it has ``compile_phases_s``, else on the threaded cell's."""
     return cell.get("inductor_cache", EMPTY if "compile_phases_s" in cell else SHARED)
 
 

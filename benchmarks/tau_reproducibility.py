@@ -1,14 +1,16 @@
-"""Mode ``tau`` of trainer_runs.py, does the embedded default reproduce? Build it fresh N times,
-compare the builds bit for bit, and train the default drafter on some of them: acceptance length
-tau with its baselines per build.
+"""Whether fresh builds of the embedded default are bit-identical, and the trainer's tau on them.
 
-    python -m benchmarks tau-reproducibility --caches /tmp/tau/a /tmp/tau/b /tmp/tau/c --train 2
+Build the embedded default fresh N times, compare the builds bit for bit, and train the default
+drafter on some of them: acceptance length tau with its baselines per build.
 
-Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, about 3 minutes
-on 2 CPU cores; a complete one is reused). The first ``--train`` of them get a default trainer run
+    python -m benchmarks tau-reproducibility --caches tau/a tau/b tau/c --train 2
+
+Each ``--caches`` directory gets its own default-asset build (``default_assets(DIR)``, whose time
+depends on the machine: examples/dflash_trainer/README.md gives measured ranges; a complete one is
+reused). The first ``--train`` of them get a default trainer run
 (``python -m examples.dflash_trainer --devices cpu --json`` with ``THREADGRAPH_CACHE=DIR``), whose
 tau and baselines are kept in ``DIR/tau-run.json``, so a later call only runs what is missing. The
-report (``dflash-tau-reproducibility_<gpu-or-cpu>_torch<ver>_<date>.{json,md}``) lists each file's
+results file (``dflash-tau-reproducibility_<gpu-or-cpu>_torch<ver>_<date>.json``) lists each file's
 SHA-256 per build, the target reports' differences (build timings aside) and the runs' tau.
 """
 
@@ -21,12 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (also puts the repo root and src/ on sys.path)
-import results_schema  # noqa: E402
-import trainer_process  # noqa: E402
+from . import common
+from . import results_schema
+from . import trainer_process
 
-from examples.dflash_trainer.assets.assets import default_assets  # noqa: E402
+from examples.dflash_trainer.assets.assets import default_assets
 
 _RUN = "tau-run.json"
 _VARYING = ("timings",)  # report keys that differ by build duration, not by content
@@ -76,39 +77,21 @@ def compare(caches: list[Path], train: int, timeout: int) -> dict:
             "tau": {"runs": len(taus), "min": min(taus, default=None), "max": max(taus, default=None)}}
 
 
-def markdown(env: dict, result: dict) -> str:
-    rows = [[Path(b["cache"]).parent.name, b["build_s"], *(
-        (b["run"]["tau"], b["run"]["tau_random_init"], b["run"]["tau_repeat_last_token"], b["run"]["steps"],
-         b["run"]["seconds"]) if b["run"] else (None,) * 5), b["hashes"].get("target/model.safetensors", "")[:16]]
-            for b in result["builds"]]
-    verdict = ("every asset file of every build is bit-identical" if result["bit_identical"]
-               else f"the builds differ in {', '.join(result['differing_files'])}")
-    tau = result["tau"]
-    return "\n".join([
-        "# DFlash embedded default: reproducibility of the build and of tau", "", *common.header_lines(env),
-        f"- {len(result['builds'])} fresh builds of the default assets; {verdict}; target reports (timings aside) "
-        f"{'identical' if result['reports_identical'] else 'differ'}",
-        f"- tau over {tau['runs']} default trainer runs (CPU): {common.fmt(tau['min'], 3)} - {common.fmt(tau['max'], 3)}",
-        "", common.markdown_table(["build", "build s", "tau", "tau random-init drafter", "tau repeat-last-token",
-                                   "steps", "train s", "model.safetensors sha256"], rows), ""])
-
-
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--caches", nargs="+", type=Path, required=True, help="one cache directory per build (>= 2)")
     p.add_argument("--train", type=int, default=2, help="train on the first N builds (default 2)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    common.add_out_dir(p)
     args = p.parse_args(argv)
     if len(args.caches) < 2 or len(set(args.caches)) != len(args.caches):
         p.error("--caches needs at least two different directories: one build is not a comparison")
     env = common.environment()
     result = compare(args.caches, args.train, args.timeout)
-    text = markdown(env, result)
-    print(text)
-    out = common.results_dir(args.out_dir)
     stem = results_schema.stem(env, "dflash-tau-reproducibility")
-    results_schema.write(out / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
-    (out / f"{stem}.md").write_text(text)
-    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+    common.save(common.results_dir(args.out_dir) / f"{stem}.json", {"benchmark": "tau_reproducibility", "env": env, **result})
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,7 @@ running at once (positive), where per-thread busy times sum to more than the dev
 ``kernels`` sums the device work by kernel name (copies and memsets by their category): where
 the time goes, overall (``TOP_KERNELS`` names) and per thread (``TOP_PER_THREAD``). The
 sequential loop's GPU probe records the same summary per batch (``probe_kernels``), so the
-report can set a threaded window's kernels beside one batch's.
+results file can set a threaded window's kernels beside one batch's.
 """
 
 from __future__ import annotations

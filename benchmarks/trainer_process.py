@@ -1,8 +1,5 @@
-"""One run of the DFlash trainer, or of a tree's throughput benchmark, in a process of its own:
-what the modes of ``trainer_runs.py`` share.
-
-A run never outlives its timeout or its parent (``common.wait_or_stop``); its source tree's
-``src/`` and root go first on ``PYTHONPATH``, so the tree's own threadgraph and trainer run.
+"""One run of the DFlash trainer in a process of its own, what trainer_startup.py and
+tau_reproducibility.py share. A run never outlives its timeout or its parent (``common.wait_or_stop``).
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from . import common
 
 TRAINER = [sys.executable, "-m", "examples.dflash_trainer"]
 

@@ -1,18 +1,18 @@
-"""Mode ``startup`` of trainer_runs.py, the trainer's startup: the README's main job, each run in
-a fresh process on an empty Inductor cache, to its first steady step, with the compiles of each
-worker and Dynamo's recompilations.
+"""The DFlash trainer's startup to its first steady step, each run in a fresh process.
+
+The README's main job, each run on an empty Inductor cache, with the compiles of each worker and
+Dynamo's recompilations.
 
     python -m benchmarks trainer-startup                      # Trees, whole-step, then Trees again on Trees' cache
     python -m benchmarks trainer-startup --graphs trees --no-restart --label "before X"   # one run, named
     python -m benchmarks trainer-startup --append --label "after X"   # add runs to today's file
-    python -m benchmarks trainer-startup --report FILE.json   # the .md again from a results file
 
 Each run is ``python -m examples.dflash_trainer --out-dir DIR --json [--cuda-graphs whole-step]``
 (the arguments after ``--`` added) with ``TORCHINDUCTOR_CACHE_DIR`` an empty folder of its own and
 ``TORCH_LOGS=recompiles``; the restart runs Trees again on the first Trees run's cache, as a user's
 second start does. Its ``--json`` line is kept whole under the run's name, with ``recompiles`` (how
 many "Recompiling function" records Dynamo logged) and their first lines, and ``took_s``, the
-process's wall time. The results go to ``benchmarks/results/dflash-trainer-startup_...``; with
+process's wall time. The results go to ``dflash-trainer-startup_...`` in ``--out-dir``; with
 ``--append`` a run of a name already there replaces it. Needs a GPU for the figures docs/results.md
 quotes; on a CPU the trainer runs eager, so its startup says nothing about graphs.
 """
@@ -25,10 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import results_schema  # noqa: E402
-import trainer_process  # noqa: E402
+from . import common
+from . import results_schema
+from . import trainer_process
 
 THEME = "dflash-trainer-startup"
 GRAPHS = {"trees": "Trees", "whole-step": "whole-step"}
@@ -44,8 +43,7 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--label", default="", help="words in every run's name (which code ran, say: 'after X')")
     p.add_argument("--append", action="store_true", help="add the runs to today's results file (same name: replaced)")
     p.add_argument("--timeout", type=int, default=900, help="seconds one run may take (default %(default)s)")
-    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
-    p.add_argument("--report", type=Path, metavar="JSON", help="only write the .md of this results file again")
+    common.add_out_dir(p)
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for every trainer run")
     args = p.parse_args(argv)
     args.trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
@@ -104,58 +102,9 @@ def describe(run: dict) -> str:
     if "error" in run:
         return f"failed: {run['error']}"
     compiled = sum(1 for w in run["workers"].values() if w["compile_s"] > 0)
+    steady = run.get("tokens_per_s_steady")
     return (f"startup {run['startup_s']:.1f} s, {compiled} of {len(run['workers'])} workers compiled, "
-            f"{run['recompiles']} recompiles, {_steady(run)} tokens/s steady")
-
-
-def _steady(run: dict) -> str:
-    """Steady tokens/s; a run too short for a steady window has none."""
-    return "-" if run.get("tokens_per_s_steady") is None else f"{run['tokens_per_s_steady']:.0f}"
-
-
-def _per_worker(run: dict, key: str) -> str:
-    return ", ".join(f"{name} {w[key]:.1f}" for name, w in run["workers"].items())
-
-
-def report(data: dict, path: Path) -> str:
-    """The .md of a results file: its runs' startups, compiles and waits per worker."""
-    env, named = data.get("env"), results_schema.parse_name(path.name)  # a file without env: its name says where and when
-    where = (f"{env['gpu'] or 'CPU'}, torch {env['torch']}, {env['date']}" if env else
-             f"{named.machine}, torch {named.torch}, {named.date}" if named else path.stem)
-    lines = [f"# DFlash trainer startup: the README's main job, {where}", "",
-             f"- {data['recorded_by']}", "",
-             "| run | startup s (to the last worker's first steady step) | build s | compile s per worker | "
-             "waiting for a peer's compile s per worker | recompiles | tau | steady tokens/s | embedded target built with |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, run in runs_of(data).items():
-        if "error" in run:
-            lines.append(f"| {name} | failed: {run['error']} | | | | | | | |")
-            continue
-        tau = f"{run['eval']['tau']:.2f}" if run.get("eval") else "-"
-        lines.append(f"| {name} | {run['startup_s']:.1f} | {run['build_s']:.1f} | {_per_worker(run, 'compile_s')} | "
-                     f"{_per_worker(run, 'peer_compile_wait_s')} | {run.get('recompiles', '-')} | "
-                     f"{tau} | {_steady(run)} | {_built_with(run)} |")
-    return "\n".join(lines + _warmup_phases(runs_of(data))) + "\n"
-
-
-def _warmup_phases(runs: dict) -> list:
-    """Where each worker's warmup went: the seconds of each phase of its step (host wall time:
-    waiting for a peer, compiling and capturing are inside the phase that did them)."""
-    lines = []
-    for name, run in runs.items():
-        rows = [[worker, f"{w['warmup_s']:.1f}", ", ".join(f"{phase} {s:.1f}" for phase, s in w["phases_warmup_s"].items())]
-                for worker, w in run.get("workers", {}).items() if w.get("phases_warmup_s")]
-        if rows:
-            lines += ["", f"{name}: each worker's warmup by phase of its step, seconds", "",
-                      common.markdown_table(["worker", "warmup s", "by phase"], rows)]
-    return lines
-
-
-def _built_with(run: dict) -> str:
-    """Where the run's embedded target came from: its build's Python and torch (the corpus is that
-    Python's standard library, so a target built elsewhere is another target, with its own tau)."""
-    versions = (run.get("target_report") or {}).get("versions")
-    return f"Python {versions['python']}, torch {versions['torch']}" if versions else "-"
+            f"{run['recompiles']} recompiles, {'-' if steady is None else f'{steady:.0f}'} tokens/s steady")
 
 
 def runs_of(data: dict) -> dict:
@@ -163,24 +112,14 @@ def runs_of(data: dict) -> dict:
     return {name: run for name, run in data.items() if isinstance(run, dict) and ("startup_s" in run or "error" in run)}
 
 
-RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-runs --mode startup): each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
+RECORDED_BY = ("benchmarks/trainer_startup.py (python -m benchmarks trainer-startup): each run's `command` in a fresh process with TORCHINDUCTOR_CACHE_DIR an "
                "empty folder (the restart: the first Trees run's) and TORCH_LOGS=recompiles; each entry is the run's "
                "--json line, with `recompiles`, `recompile_records`, `command` and `took_s` added")
-
-
-def write_report(path: Path, data: dict) -> str:
-    text = report(data, path)
-    path.with_suffix(".md").write_text(text)
-    print(f"wrote {path.with_suffix('.md')}", file=sys.stderr)
-    return text
 
 
 def main(argv=None, prog=None) -> int:
     common.exit_on_sigterm()  # a `timeout` around this script stops the run in progress too (wait_or_stop)
     args = parse_args(argv, prog)
-    if args.report:
-        print(write_report(args.report, results_schema.load(args.report).data))
-        return 0
     env = common.environment()
     path = common.results_dir(args.out_dir) / f"{results_schema.stem(env, THEME)}.json"
     data = results_schema.load(path).data if args.append and path.is_file() else {}
@@ -189,6 +128,9 @@ def main(argv=None, prog=None) -> int:
     if replaced:
         print(f"replacing the earlier runs {', '.join(replaced)} in {path}", file=sys.stderr)
     data = {"recorded_by": RECORDED_BY, "env": env, **data, **runs}
-    results_schema.write(path, data)
-    print(write_report(path, data))
+    common.save(path, data)
     return 1 if any("error" in run for run in runs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,13 +1,16 @@
 """python -m benchmarks: one entry point that lists and runs every benchmark and renderer."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.__main__ import COMMANDS, GROUPS
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.__main__ import ALIASES, CHILD_SCRIPTS, COMMANDS  # noqa: E402
+# modules run as a script that are no command: the children their benchmark starts
+CHILDREN = {"dflash_processes"}
 
 
 def entry(*args):
@@ -20,10 +23,17 @@ def runs_as_script(path: Path) -> bool:
     return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
 
 
-def test_every_script_of_the_folder_is_a_command_or_a_named_child():
-    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__main__.py" and runs_as_script(p)}
-    named = {script for script, _ in COMMANDS.values()} | CHILD_SCRIPTS
+def test_every_script_of_the_package_is_a_command_or_a_named_child():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__main__.py" and runs_as_script(p)}
+    named = {module for _, module, _ in COMMANDS.values()} | CHILDREN
     assert scripts == named, scripts ^ named
+    assert {group for group, _, _ in COMMANDS.values()} == set(GROUPS)
+
+
+def test_no_file_of_the_benchmarks_or_their_tests_edits_sys_path():
+    files = [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests" / "bench").glob("*.py")]
+    edits = [f.name for f in files if re.search(r"sys\.path\.(insert|append)|sys\.path\s*\+?=", f.read_text())]
+    assert edits == []
 
 
 def test_help_lists_every_command_with_its_summary_and_imports_no_torch():
@@ -36,6 +46,7 @@ def test_help_lists_every_command_with_its_summary_and_imports_no_torch():
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert listed == set(COMMANDS), listed
     assert "step-time            Per-thread step time" in done.stdout
+    assert "./bench-out" in done.stdout and "--out-dir benchmarks/results" in done.stdout
     assert done.stdout.rstrip().endswith("torch not imported")
 
 
@@ -43,10 +54,10 @@ def test_an_unknown_name_is_one_line_with_exit_2():
     done = entry("replay")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: no benchmark named 'replay'; python -m benchmarks --help lists them: " + ", ".join(COMMANDS)]
+        "error: no command named 'replay'; python -m benchmarks --help lists them: " + ", ".join(COMMANDS)]
 
 
-def test_a_command_runs_its_script_with_the_arguments_and_returns_its_status():
+def test_a_command_runs_its_module_with_the_arguments_and_returns_its_status():
     for name in ("index", "readme"):
         ok = entry(name, "--check")
         assert ok.returncode == 0, ok.stderr
@@ -54,12 +65,12 @@ def test_a_command_runs_its_script_with_the_arguments_and_returns_its_status():
         assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr, bad.stderr
 
 
-def test_an_alias_runs_its_mode_and_says_nothing_more():
-    for alias, (script, first) in ALIASES.items():
-        assert script == "trainer_runs.py" and first[0] == "--mode"
-        through_alias, through_mode = entry(alias, "--help"), entry("trainer-runs", *first, "--help")
-        assert through_alias.returncode == through_mode.returncode == 0, through_alias.stderr
-        assert (through_alias.stdout, through_alias.stderr) == (through_mode.stdout, through_mode.stderr)
-        assert f"--mode {first[1]}" in through_alias.stdout
-    refused = entry("trainer-runs", "--mode", "nope")
-    assert refused.returncode == 2 and "--mode nope" in refused.stderr
+def test_a_command_is_its_module_run_as_a_script():
+    _, module, first = COMMANDS["tau-reproducibility"]
+    through_name = entry("tau-reproducibility", "--caches", "one")
+    through_module = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *first, "--caches", "one"], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=120)
+    assert through_name.returncode == through_module.returncode == 2, through_name.stderr
+    assert "--caches needs at least two different directories" in through_name.stderr
+    assert through_name.stderr.splitlines()[-1].startswith("python -m benchmarks tau-reproducibility: error: ")
+    assert through_name.stderr.split(": error: ")[-1] == through_module.stderr.split(": error: ")[-1]

@@ -31,8 +31,8 @@ def _env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
 
 
-def _start(script, out_dir, *extra):
-    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra, "--out-dir", str(out_dir)],
+def _start(module, out_dir, *extra):
+    return subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", "--quick", *extra, "--out-dir", str(out_dir)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -40,10 +40,10 @@ def _start(script, out_dir, *extra):
 def runs(tmp_path_factory):
     """Both scripts, started at once; each test waits for its own."""
     base = tmp_path_factory.mktemp("bench")
-    procs = {"replay": (_start("replay_step_time.py", base / "replay"), base / "replay"),
+    procs = {"replay": (_start("replay_step_time", base / "replay"), base / "replay"),
              # A random-init target of the tiny shape on the tiny assets' tokenizer: the --target-shape path.
              # With the processes pipeline: 2 gloo ranks under torchrun.
-             "dflash": (_start("dflash_throughput.py", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
+             "dflash": (_start("dflash_throughput", base / "dflash", "--target-shape", "tiny", "--processes", "2"),
                         base / "dflash")}
     yield procs
     for proc, _ in procs.values():
@@ -58,8 +58,8 @@ def _finish(proc, timeout=240):
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"{proc.args[1]} did not finish in {timeout} s:\n{err[-3000:]}")
-    assert proc.returncode == 0, f"{proc.args[1]} exited {proc.returncode}:\n{err[-3000:]}"
+        pytest.fail(f"{proc.args[2]} did not finish in {timeout} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{proc.args[2]} exited {proc.returncode}:\n{err[-3000:]}"
     return out
 
 
@@ -72,16 +72,15 @@ def _one(out_dir, pattern):
 def test_replay_step_time_quick(runs):
     proc, out_dir = runs["replay"]
     stdout = _finish(proc)
-    assert "| configuration | mode |" in stdout
+    assert "| configuration | figure |" in stdout and "| train, eager | 1 worker thread " in stdout  # render.figures
     rows = json.loads(_one(out_dir, "replay-small_cpu_torch*_????-??-??.json").read_text())["rows"]
     assert not [r for r in rows if r.get("error")], rows
     measured = [r for r in rows if r.get("p50_ms") is not None]
     for task in ("train", "infer"):
         assert {r["mode"] for r in measured if r["task"] == task} >= {"eager", "compile"}
         assert {r["placement"] for r in measured if r["task"] == task} >= {"main", "worker", "shared"}
-    md = _one(out_dir, "replay-small_cpu_torch*_????-??-??.md").read_text()
-    assert "| main thread | eager |" in md and "| main thread | compile |" in md
-    assert _one(out_dir, "replay-small_cpu_torch*_????-??-??.png").stat().st_size > 0
+    assert "workers on one CPU" in stdout and "GPU" not in stdout  # a CPU run's figures name its device
+    assert [p.suffix for p in out_dir.iterdir()] == [".json"]  # the JSON is the whole record: no per-run report
 
 
 def test_dflash_throughput_quick(runs):
@@ -89,7 +88,6 @@ def test_dflash_throughput_quick(runs):
     procs = runs
     proc, out_dir = procs["dflash"]
     stdout = _finish(proc)
-    assert "threaded / sequential tokens/s" in stdout and "GPU-bound limit: not available (no CUDA" in stdout
     data = json.loads(_one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json").read_text())
     assert (data["shape"], data["graphs"]) == ("tiny", "eager") and data["target_params"] > 0
     for name in ("threaded", "sequential"):
@@ -113,40 +111,34 @@ def test_dflash_throughput_quick(runs):
     parts = data["memory_estimate_gib_by_part"]
     assert set(parts) == {"weights", "drafter_training", "target_forward", "hand_off", "drafter_step"}
     assert data["memory_estimate_gib"] == pytest.approx(sum(parts.values())) and parts["weights"] > 0
-    assert "- peak memory a device, GiB (the process's peak resident set): threaded " in stdout
-    assert _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.md").exists()
+    assert "| tiny target, eager, 1 CPU | threaded " in stdout and f": {data['ratio']:.2f}x" in stdout
+    assert [p.suffix for p in out_dir.iterdir()] == [".json"]
     ranks = data["processes"]
     assert "error" not in ranks and ranks["processes"] == 2 and ranks["devices"] == ["cpu", "cpu"], ranks
     assert ranks["timed_batches"] + ranks["warmup_batches"] == data["config"]["max_steps"] * data["config"]["drafters"]
     # the ranks train on different batches, so only the gradient average over them keeps their weights equal
     assert ranks["ranks_weights_max_diff"] == 0.0 and ranks["tokens_per_s"] > 0
     assert data["ratio_threaded_to_processes"] == data["tokens_per_s_threaded"] / ranks["tokens_per_s"]
-    assert "threaded / processes tokens/s" in stdout
 
 
-def test_dflash_report_rerenders_a_results_file_from_its_measurements(runs, tmp_path):
-    """dflash_report.py FILE: a file this version wrote comes back byte for byte; one whose
-    sequential cell ran on the threaded cell's cache loses its startup ratio."""
-    _require_trainer()
-    procs = runs
-    proc, out_dir = procs["dflash"]
-    _finish(proc)
-    written = _one(out_dir, "dflash-throughput-tiny-eager_cpu_torch*.json")
-    path = tmp_path / written.name
-    path.write_text(written.read_text())
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    report = importlib.import_module("dflash_report")
-    report.rerender(path)
-    assert path.read_text() == written.read_text()
-    assert path.with_suffix(".md").read_text() == written.with_suffix(".md").read_text()
-    data = json.loads(path.read_text())
-    assert data["startup_ratio"] == data["startup_s_threaded"] / data["startup_s_sequential"]
-    data["sequential"]["inductor_cache"] = "the threaded cell's (a restart)"
-    path.write_text(json.dumps(data))
-    report.rerender(path)
-    assert json.loads(path.read_text())["startup_ratio"] is None
-    assert ("## Startup: threaded / sequential not comparable (the sequential cell started on the threaded "
-            "cell's cache" in path.with_suffix(".md").read_text())
+def test_the_written_results_hold_no_absolute_path(runs):
+    """The target's cache, the trainer's out-dir and the like are written relative to the repository
+    or as their last part (results_schema.write)."""
+    from benchmarks.results_schema import ABSOLUTE_PATH
+
+    for proc, out_dir in runs.values():
+        _finish(proc)
+        written = [p for p in out_dir.iterdir() if p.suffix == ".json"]
+        assert written
+        assert {p.name: ABSOLUTE_PATH.findall(p.read_text()) for p in written} == {p.name: [] for p in written}
+
+
+def test_a_run_without_out_dir_writes_to_the_scratch_folder(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.chdir(tmp_path)
+    assert common.results_dir(None).resolve() == tmp_path / "bench-out" and (tmp_path / "bench-out").is_dir()
+    assert common.results_dir(str(tmp_path / "mine")) == tmp_path / "mine"
 
 
 def test_gil_profile_quick(runs, tmp_path):
@@ -154,7 +146,7 @@ def test_gil_profile_quick(runs, tmp_path):
     procs = runs
     for proc, _ in procs.values():  # after the other two: two cores
         proc.wait(timeout=300)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gil_profile.py"), "--quick", "--steps", "200", "--start-step", "30",
+    cmd = [sys.executable, "-m", "benchmarks.gil_profile", "--quick", "--steps", "200", "--start-step", "30",
            "--seconds", "3", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     if proc.returncode != 0 and any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "py-spy not found")):
@@ -169,8 +161,7 @@ def test_gil_profile_quick(runs, tmp_path):
 
 def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkeypatch):
     """A timeout (SIGTERM -> SystemExit) mid-run writes the cells already measured, marked interrupted."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    replay = importlib.import_module("replay_step_time")
+    replay = importlib.import_module("benchmarks.replay_step_time")
     calls = []
 
     def fake_cell(args, mode, key, label, workers, task):
@@ -187,14 +178,13 @@ def test_replay_step_time_keeps_measured_cells_when_interrupted(tmp_path, monkey
     data = json.loads(_one(tmp_path, "*.json").read_text())
     assert data["interrupted"] is True
     assert [(r["placement"], r["p50_ms"]) for r in data["rows"]] == [("main", 1.0)]
-    assert "interrupted" in _one(tmp_path, "*.md").read_text()
 
 
-def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
-    """--gil-profile records the thread cells with py-spy; --render rebuilds the same report from the JSON."""
+def test_replay_step_time_gil_profile(runs, tmp_path):
+    """--gil-profile records the thread cells with py-spy: GIL-busy and the frames and files holding the GIL."""
     for proc, _ in runs.values():  # after the other scripts: two cores
         proc.wait(timeout=300)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--quick", "--tasks", "train", "--modes",
+    cmd = [sys.executable, "-m", "benchmarks.replay_step_time", "--quick", "--tasks", "train", "--modes",
            "eager", "--placements", "main,worker", "--gil-profile", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     if any(s in proc.stderr.lower() for s in ("permission denied", "operation not permitted", "needs py-spy")):
@@ -208,19 +198,12 @@ def test_replay_step_time_gil_profile_then_render(runs, tmp_path):
     shares = [share for _, share in worker["gil_files"]]  # the commonest files' shares of the GIL samples
     assert worker["gil_leaves"] and shares == sorted(shares, reverse=True) and all(0 < s <= 1 for s in shares)
     assert sum(shares) <= 1 + 1e-9, shares
-    md = _one(tmp_path, "replay-small-gil_cpu_torch*.md")
-    before = md.read_text()
-    assert "## Where the GIL goes" in before and "eager, 1 worker thread: GIL busy" in before
-    md.unlink()
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replay_step_time.py"), "--render",
-                    str(_one(tmp_path, "replay-small-gil_cpu_torch*.json"))], cwd=ROOT, env=_env(), check=True, timeout=120)
-    assert md.read_text() == before
+    assert f"GIL busy {worker['gil_busy']:.0%}" in proc.stdout  # the figures it prints: the index's words
 
 
 def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
     """--merge-from keeps the earlier file's cells not measured again, each row with its own date."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    replay = importlib.import_module("replay_step_time")
+    replay = importlib.import_module("benchmarks.replay_step_time")
 
     def row(placement, mode, p50, **extra):
         return {"task": "train", "placement": placement, "configuration": placement, "mode": mode, "workers": 1,
@@ -246,8 +229,7 @@ def test_replay_step_time_merges_rows_of_an_earlier_day(tmp_path, monkeypatch):
 
 def test_pyspy_summaries_from_raw_recordings(tmp_path):
     """GIL-busy = GIL samples / the busiest thread's wall samples; shares by innermost frame and file."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    pyspy = importlib.import_module("pyspy")
+    pyspy = importlib.import_module("benchmarks.pyspy")
     gil = tmp_path / "gil.txt"
     gil.write_text("thread (0x1): bench-0;run (threading.py:10);step (/r/b/replay.py:5) 30\n"
                    "thread (0x2): bench-1;run (threading.py:10);call (/tmp/torchinductor_u/x/abcdefghij.py:7) 10\n")
@@ -263,8 +245,7 @@ def test_pyspy_summaries_from_raw_recordings(tmp_path):
 
 def test_gil_profile_keys_samples_by_what_the_worker_step_called():
     _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    gil_profile = importlib.import_module("gil_profile")
+    gil_profile = importlib.import_module("benchmarks.gil_profile")
     outer = ["_bootstrap (/usr/lib/threading.py:1002)", "run (/r/src/threadgraph/_workers/worker.py:150)",
              "_loop (/r/src/threadgraph/_workers/worker.py:185)", "DrafterWorker.step (/r/examples/dflash_trainer/workers.py:70)"]
     # The optimizer's step() inside the replica's update is not the worker's step.
@@ -294,8 +275,7 @@ def test_gil_profile_keys_samples_by_what_the_worker_step_called():
 def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, capsys, monkeypatch):
     if script == "dflash_throughput":
         _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    module = importlib.import_module(script)
+    module = importlib.import_module(f"benchmarks.{script}")
     monkeypatch.setattr(module.common, "on_gpu", lambda: False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
@@ -305,24 +285,14 @@ def test_benchmark_bad_arguments_fail_before_any_work(script, argv, message, cap
 
 
 def test_dflash_throughput_refuses_a_processes_pipeline_of_one_rank():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dflash_throughput.py"), "--quick", "--processes", "1"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dflash_throughput", "--quick", "--processes", "1"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--processes 1: give one process per device of --devices cpu, at least 2 (on a CPU" in proc.stderr, proc.stderr
 
 
-def test_dflash_report_names_a_file_it_cannot_rerender(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    report = importlib.import_module("dflash_report")
-    path = tmp_path / "dflash-throughput-old_cpu_torch2.13.0_2026-11-01.json"
-    path.write_text(json.dumps({"config": {"max_steps": 10}, "threaded": {}, "sequential": {}, "env": {"gpu": None}}))
-    with pytest.raises(SystemExit, match=r"not a dflash_throughput results file: dflash-throughput-old_cpu\S*: shape: missing"):
-        report.rerender(path)
-
-
 def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsys, monkeypatch):
     _require_trainer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    module = importlib.import_module("dflash_throughput")
+    module = importlib.import_module("benchmarks.dflash_throughput")
     from examples.dflash_trainer.assets import shapes
 
     monkeypatch.setenv("THREADGRAPH_CACHE", str(tmp_path / "cache"))  # nothing built there yet

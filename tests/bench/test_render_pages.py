@@ -1,19 +1,19 @@
 """python -m benchmarks readme (benchmarks/render.py): the generated sections of README.md,
-docs/results.md and the trainer's README are a function of the committed results; the README
-stays one screen, keeps .ci/run's test command, and every relative link of the pages points to a
-file that exists."""
+docs/results.md, docs/projection.md and the trainer's README are a function of the committed
+results, and a GPU claim takes GPU runs only (a CPU run never reaches it); the README stays one
+screen, keeps .ci/run's test command, and every relative link of the pages points to a file that
+exists."""
 
-import importlib
 import json
 import re
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
+from benchmarks import render
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-render = importlib.import_module("render")
 
 
 def render_readme(argv):
@@ -30,8 +30,8 @@ def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", se
             "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5, "startup_ratio": 2.0,
             "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
     data["sequential"] = {"compile_phases_s": {}} if sequential_cache is None else {"inductor_cache": sequential_cache}
-    if alike:  # timed as the threads are: a median of windows
-        data["sequential"]["windows_tokens_per_s"] = [250_000.0]
+    if alike:  # trained and timed as the threads are: a median of windows
+        data["sequential"].update(windows_tokens_per_s=[250_000.0], training="as threaded")
     name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch{torch}_{date}.json"
     (results / name).write_text(json.dumps(data))
     return name
@@ -53,7 +53,6 @@ def _readme(tmp_path):
     (root / "docs" / "projection.md").write_text("# p\n\n<!-- seed-projection:begin -->\n<!-- seed-projection:end -->\n")
     path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
-                    "<!-- dflash-tau:begin -->\n<!-- dflash-tau:end -->\n\n"
                     "<!-- results-headlines:begin -->\n<!-- results-headlines:end -->\n\nafter\n")
     return path
 
@@ -78,21 +77,10 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert len(rows) == 2
     assert "launch-bound smoke case" in rows[0] and toy in rows[0]  # the toy first, labelled
     assert newest in rows[1] and "240k" in rows[1] and "0.96" in rows[1] and "Qwen3-0.6B shape" in rows[1]
-    assert "| 41.0 | 20.5 | 2.00 |" in rows[1]  # startup threaded, sequential, and their ratio
+    assert "| 41 / 20 |" in rows[1]  # startup threaded / sequential
+    assert "| the threads' own training" in rows[1] and "both sides timed alike |" in rows[1]
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
-    assert "No tau reproducibility results yet" in first
     assert render_readme(argv + ["--check"]) == 0
-    run = {"tau": 2.45, "tau_random_init": 1.01, "tau_repeat_last_token": 1.12, "steps": 256}
-    (results / "dflash-tau-reproducibility_cpu_torch2.13.0_2026-12-01.json").write_text(json.dumps(
-        {"env": {"date": "2026-12-01", "gpu": None, "cpus": 2, "torch": "2.13.0"}, "bit_identical": True,
-         "differing_files": [], "tau": {"min": 2.45, "max": 2.45},
-         "builds": [{"run": run, "report": BUILD_REPORT}, {"run": run}, {"run": None}]}))
-    assert render_readme(argv + ["--check"]) == 1
-    render_readme(argv)
-    tau = readme.read_text().split("<!-- dflash-tau:begin -->")[1]
-    assert "3 fresh builds" in tau and "bit-identical" in tau and "tau 2.450" in tau and "1.010" in tau and "1.120" in tau
-    assert ("a 1.71M-parameter Qwen3 target (6 layers, hidden 128, vocabulary 2000) trained on Python's standard "
-            "library source for 500 steps (held-out loss 7.65 -> 4.28 nats), 512 training samples") in tau
 
 
 def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
@@ -102,10 +90,10 @@ def test_check_fails_on_a_stale_readme_and_no_results_is_valid(tmp_path):
     argv = _argv(results, readme)
     assert render_readme(argv + ["--check"]) == 1  # "old" is not what no results give
     render_readme(argv)
-    assert "No results yet" in readme.read_text() and render_readme(argv + ["--check"]) == 0
+    assert "No GPU `dflash-throughput` results" in readme.read_text() and render_readme(argv + ["--check"]) == 0
     _result(results, "8b", "whole-step", "2026-12-02", 300_000.0)
     assert render_readme(argv + ["--check"]) == 1
-    assert readme.read_text().count("No results yet") == 1  # --check never writes
+    assert readme.read_text().count("No GPU `dflash-throughput` results") == 1  # --check never writes
 
 
 @pytest.mark.parametrize("cache", ["the threaded cell's (a restart)", "unrecorded (a file from before per-cell caches)"])
@@ -120,7 +108,7 @@ def test_a_sequential_startup_on_the_threaded_cells_cache_is_marked_and_given_no
     readme = _readme(tmp_path)
     assert render_readme(_argv(results, readme)) == 0
     row = next(line for line in readme.read_text().splitlines() if "Qwen3-8B shape" in line)
-    assert "| 41.0 | 20.5 (on the threaded cell's cache) | - (not comparable) |" in row
+    assert "| 41 / 20 (on the threaded cell's cache) |" in row
 
 
 def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_phase(tmp_path):
@@ -156,33 +144,6 @@ def test_rows_go_embedded_targets_first_then_published_shapes_by_size(tmp_path):
     order = [(run.data["shape"], run.data["graphs"]) for run in render.newest_runs(results)]
     assert order == [("default", "whole-step"), ("0.6b", "whole-step"), ("8b", "trees"), ("8b", "whole-step"),
                      ("14b", "whole-step"), ("32b", "whole-step")]
-
-
-def test_the_headline_range_keeps_to_one_torch_release_and_names_the_others(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
-    for shape in ("0.6b", "8b"):
-        _result(results, shape, "trees", "2026-12-01", 200_000.0)  # 0.80x on 2.11.0
-    newer = _result(results, "0.6b", "trees", "2026-12-04", 100_000.0, torch="2.14.1")  # 0.40x, one cell only
-    assert [r.torch for r in render.newest_runs(results)] == ["2.11.0", "2.14.1", "2.11.0"]
-    assert [r.torch for r in render.newest_runs(results, "2.14.1")] == ["2.14.1"]
-    line = render.readme_headlines(results)
-    assert "0.80 - 0.80x" in line and "over 2 runs" in line
-    assert f"on torch 2.14.1: 0.40x at 0.6b trees ([{newer}]" in line
-
-
-def test_the_peak_memory_column_sets_the_measured_peak_beside_the_estimate(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
-    measured = _result(results, "32b", "trees", "2026-12-01", 7_500.0)
-    data = json.loads((results / measured).read_text())
-    (results / measured).write_text(json.dumps({**data, "peak_memory_gib_threaded": 134.47, "memory_estimate_gib": 109.2}))
-    _result(results, "14b", "trees", "2026-12-01", 16_000.0)  # written before peaks were recorded
-    readme = _readme(tmp_path)
-    assert render_readme(_argv(results, readme)) == 0
-    rows = {line.split(" | ")[0]: line for line in readme.read_text().splitlines() if "shape, random init" in line}
-    assert "| 6.6 | 134 (109) | [" in rows["| Qwen3-32B shape, random init (0.44B params)"]
-    assert "| 6.6 | - (not recorded) | [" in rows["| Qwen3-14B shape, random init (0.44B params)"]
 
 
 def _tau_results(results, taus=(2.31, 2.31), build_s=(690.0, 1100.0), python="3.11.7", transformers="5.24.0"):
@@ -258,38 +219,6 @@ def _root_with_results(tmp_path):
     return root, results
 
 
-def test_the_readme_headlines_link_their_files_from_every_page_and_say_whether_the_dflash_aim_was_met(tmp_path):
-    root, results = _root_with_results(tmp_path)
-    (results / "conformance_nvidia-h200_torch2.11.0_2026-12-02.json").write_text(json.dumps(
-        {"placements": ["main", "worker+install"], "cases": 2, "equal": 2, "rows": [{"case": "a", "equal": True}] * 2}))
-    _result(results, "default", "whole-step", "2026-12-01", 135_000.0)  # 0.54x
-    best = _result(results, "0.6b", "trees", "2026-12-02", 260_000.0, devices="cuda:0,cuda:1")  # 1.04x
-    argv = ["--results", str(results), "--root", str(root)]
-    assert render_readme(argv) == 0
-    section = (root / "README.md").read_text().split("<!-- readme-headlines:begin -->")[1].split("<!-- readme-headlines:end -->")[0]
-    dflash = next(line for line in section.splitlines() if "DFlash" in line)
-    # one GPU: the same work on the same device, aim 0.98x; several: 1.5x (neither run meets its own)
-    assert "0.54 - 1.04x" in dflash and "aim was 0.98x on one GPU and 1.5x on several GPUs, not met" in dflash
-    assert best in dflash
-    for page in ("README.md", "docs/results.md", "examples/dflash_trainer/README.md"):
-        links = _links(root / page)
-        assert all((root / page).parent.joinpath(link).resolve().exists() for link in links), (page, links)
-    assert _links(root / "README.md") and _links(root / "docs" / "results.md")
-    _result(results, "8b", "whole-step", "2026-12-03", 400_000.0)  # 1.60x, one GPU
-    assert render_readme(argv + ["--check"]) == 1
-    render_readme(argv)
-    assert "0.54 - 1.60x" in (root / "README.md").read_text() and ", met by some (" in (root / "README.md").read_text()
-    # a run timed the old way (the threads under the profiler) is not judged
-    _result(results, "14b", "whole-step", "2026-12-03", 500_000.0, alike=False)
-    render_readme(argv)
-    assert ", met by some by the 3 timed alike (" in (root / "README.md").read_text()
-    for name in ("default", "0.6b", "8b"):
-        next(results.glob(f"dflash-throughput-{name}-*")).unlink()
-    render_readme(argv)
-    assert "aim was 0.98x on one GPU, not judged: none of these runs timed both sides alike (" in (
-        root / "README.md").read_text()
-
-
 def test_tau_and_the_build_time_are_given_as_ranges_with_what_they_depend_on(tmp_path):
     root, results = _root_with_results(tmp_path)
     _tau_results(results, taus=(2.31, 2.62), build_s=(462.0, 660.0), python="3.11.7", transformers="5.24.0")
@@ -323,18 +252,6 @@ def _fence_matrix(results, torch, date, unfenced_errors):
     return name
 
 
-def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_where_it_no_longer_does(tmp_path):
-    root, results = _root_with_results(tmp_path)
-    raised = _fence_matrix(results, "2.11.0", "2026-12-01", [True, True, False])
-    section = render.readme_headlines(results)
-    assert "20 of 20 runs clean with threadgraph, where 2 of 3 runs raised without it" in section
-    assert raised in section and "ran clean without it too" not in section
-    clean = _fence_matrix(results, "2.14.1", "2026-12-04", [False, False, False])
-    line = next(x for x in render.readme_headlines(results).splitlines() if "123177" in x)
-    assert "where 2 of 3 runs raised without it (nvidia-h200, torch 2.11.0;" in line and raised in line
-    assert "on torch 2.14.1 the repro ran clean without it too, and had 20 of 20 runs clean with it" in line and clean in line
-
-
 def test_the_projection_finds_where_the_gil_saturates_one_process_of_eight_gpus(tmp_path):
     root, results = _root_with_results(tmp_path)
     shown = _result(results, "0.6b", "trees", "2026-12-02", 160_000.0)
@@ -351,9 +268,91 @@ def test_the_projection_finds_where_the_gil_saturates_one_process_of_eight_gpus(
     assert "1.00 / 1.00: threads match one process per GPU (the GIL at most half busy)" in render.seed_projection(results)
 
 
-def test_the_dflash_aim_is_the_one_gpu_bar_for_a_run_on_one_device():
-    from headlines import ONE_GPU_TARGET_RATIO, TARGET_RATIO, target_ratio
+def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_where_it_does_not(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    raised = _fence_matrix(results, "2.11.0", "2026-12-01", [True, True, False])
+    line = render.readme_headlines(results)
+    assert "ran clean in 20 of 20 runs with threadgraph and raised in 2 of 3 without it (torch 2.11.0;" in line
+    assert raised in line and "either" not in line
+    _fence_matrix(results, "2.14.1", "2026-12-04", [False, False, False])
+    line = next(x for x in render.readme_headlines(results).splitlines() if "123177" in x)
+    assert raised in line and line.endswith("; on torch 2.14.1 it does not raise without threadgraph either.")
 
-    assert target_ratio("cuda:0", 8) == target_ratio("cuda:3, cuda:3", 8) == ONE_GPU_TARGET_RATIO == 0.98
-    assert target_ratio(None, 1) == target_ratio("cpu", None) == ONE_GPU_TARGET_RATIO
-    assert target_ratio("cuda:0,cuda:1", 8) == target_ratio(None, 2) == TARGET_RATIO == 1.5
+
+def _replay(results, name, gpu, steps):
+    """A replay-dflash file: {mode: (one worker's steps/s, two workers' one per GPU)}."""
+    rows = []
+    for mode, (alone, together) in steps.items():
+        rows.append({"task": "train", "placement": "worker", "mode": mode, "workers": 1, "p50_ms": 1e3 / alone,
+                     "steps_per_s": alone})
+        if together is not None:
+            rows.append({"task": "train", "placement": "per-gpu", "mode": mode, "workers": 2, "p50_ms": 2e3 / together,
+                         "steps_per_s": together})
+        rows.append({"task": "train", "placement": "shared", "mode": mode, "workers": 3, "p50_ms": 3e3 / alone,
+                     "steps_per_s": alone})
+    torch, date = name.split("_torch")[1].split("_")
+    env = {"gpu": gpu, "gpus": 2 if gpu else 0, "torch": torch, "date": date.removesuffix(".json")}
+    (results / name).write_text(json.dumps({"env": env, "rows": rows}))
+    return name
+
+
+def test_the_scaling_headline_says_which_graphs_mode_scales_across_gpus(tmp_path):
+    root, results = _root_with_results(tmp_path)
+    name = _replay(results, "replay-dflash_nvidia-h200_torch2.11.0_2026-11-30.json", "NVIDIA H200",
+                   {"whole-step": (176.0, 352.0), "reduce-overhead": (367.0, 379.0)})
+    line = next(x for x in render.readme_headlines(results).splitlines() if "Across GPUs" in x)
+    assert line.startswith("- **Across GPUs, whole-step graphs scale and CUDAGraph Trees do not scale**: 2 worker threads")
+    assert "352 steps/s with whole-step graphs (`capture_step`) against one worker's 176, and 379 with CUDAGraph Trees " \
+           "against one worker's 367" in line and name in line
+    _replay(results, "replay-dflash_nvidia-h200_torch2.11.0_2026-12-01.json", "NVIDIA H200",
+            {"whole-step": (176.0, 300.0), "reduce-overhead": (367.0, 700.0)})
+    line = next(x for x in render.readme_headlines(results).splitlines() if "Across GPUs" in x)
+    assert line.startswith("- **Across GPUs, whole-step graphs do not scale and CUDAGraph Trees scale**")
+
+
+def _as_cpu_run(results, name, theme=None, **top):
+    """A copy of the GPU results file ``name`` as a newer CPU run of ``theme`` (default: its own)."""
+    data = json.loads((results / name).read_text())
+    date = "2027-01-01"
+    if isinstance(data.get("env"), dict):
+        data["env"].update(gpu=None, gpus=0, torch="2.13.0+cpu", date=date)
+    for key in ("gpu", "machine"):
+        data.pop(key, None)
+    data.update({k: v for k, v in (("torch", "2.13.0"), ("date", date)) if k in data}, **top)
+    cpu = f"{theme or name.split('_')[0]}_cpu_torch2.13.0_{date}.json"
+    (results / cpu).write_text(json.dumps(data))
+    return cpu
+
+
+def _copy_repository_pages(root):
+    for page in render.PAGES:
+        (root / page).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / page, root / page)
+
+
+def test_a_cpu_run_never_reaches_a_gpu_headline_or_a_gpu_row(tmp_path):
+    root = tmp_path / "root"
+    results = root / "benchmarks" / "results"
+    shutil.copytree(ROOT / "benchmarks" / "results", results)
+    _copy_repository_pages(root)
+    argv = ["--results", str(results), "--root", str(root)]
+    assert render_readme(argv + ["--check"]) == 0  # the committed pages, from the committed results
+    before = {page: (root / page).read_text() for page in render.PAGES}
+    throughput = next(p.name for p in sorted(results.glob("dflash-throughput-0.6b-trees_*.json")))
+    added = [_as_cpu_run(results, throughput, "dflash-throughput-tiny-assets-eager", shape="tiny-assets", graphs="eager",
+                         ratio=0.55, tokens_per_s_threaded=5500.0, tokens_per_s_sequential=10000.0),
+             _replay(results, "replay-dflash_cpu_torch2.13.0_2027-01-01.json", None,
+                     {"whole-step": (10.0, 40.0), "reduce-overhead": (10.0, 5.0)})]
+    for theme in ("conformance", "fence-matrix", "fence-overhead", "install-overhead", "dflash-trainer-startup"):
+        added.append(_as_cpu_run(results, next(p.name for p in sorted(results.glob(f"{theme}_*.json")))))
+    assert render.main(["index", "--results", str(results)]) == 0
+    index = (results / "README.md").read_text()
+    assert all(name in index for name in added)  # the index lists every file with its machine
+    cpu_replay = [row for row in index.splitlines() if "replay-dflash_cpu" in row]
+    assert cpu_replay and all("on one CPU" in row and "GPU" not in row.split(" | ")[3] for row in cpu_replay)
+    assert render_readme(argv) == 0
+    after = {page: (root / page).read_text() for page in render.PAGES}
+    assert after == before  # no page moved: every section of them speaks of GPUs, or labels its CPU run
+    assert "0.55" not in after["README.md"] and "_cpu_" not in after["README.md"]
+    results_page = after["docs/results.md"]
+    assert not [name for name in added if name in results_page]

@@ -1,20 +1,19 @@
-"""benchmarks/results_schema.py: every committed results file loads; a file that breaks its
-theme's fields or disagrees with its own name is refused with one error naming the file and the
-field, on reading and before writing; the header of a file without one comes from its name."""
+"""benchmarks/results_schema.py: every committed results file loads and holds no absolute path; a
+file that breaks its theme's fields or disagrees with its own name is refused with one error naming
+the file and the field, on reading and before writing; the header of a file without one comes from
+its name; what is written holds no absolute path of the machine."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-schema = importlib.import_module("results_schema")
+from benchmarks import results_schema as schema
 
 ENV = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "date": "2026-12-01", "cpus": 16}
-AB = {"env": ENV, "shape": "default", "graphs": "trees", "runs": [], "trees": {}}
-AB_NAME = "dflash-ab-default-trees_nvidia-h200_torch2.11.0_2026-12-01.json"
+GIL = {"env": ENV, "args": {"devices": "cuda:0"}, "gil_busy": 0.5, "tokens_per_s_steady": 1.0e5}
+GIL_NAME = "gil-profile_nvidia-h200_torch2.11.0_2026-12-01.json"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_committed_results_file_loads_with_its_header():
@@ -34,22 +33,22 @@ def test_a_file_without_an_env_gets_its_header_from_its_name(tmp_path):
 
 
 @pytest.mark.parametrize("change, field", [
-    (lambda d: d.pop("trees"), "trees"),
-    (lambda d: d.update(shape=3), "shape"),
-    (lambda d: d.update(runs=None), "runs"),
+    (lambda d: d.pop("args"), "args"),
+    (lambda d: d.update(gil_busy="half"), "gil_busy"),
+    (lambda d: d.update(gil_busy=True), "gil_busy"),
     (lambda d: d["env"].update(date="2026-12-02"), "env.date"),
     (lambda d: d["env"].update(torch="2.12.0"), "env.torch"),
     (lambda d: d["env"].update(gpu="NVIDIA A100"), "env.gpu"),
 ])
 def test_a_broken_file_is_one_error_naming_the_file_and_the_field(tmp_path, change, field):
-    data = json.loads(json.dumps(AB))
+    data = json.loads(json.dumps(GIL))
     change(data)
-    path = tmp_path / AB_NAME
+    path = tmp_path / GIL_NAME
     path.write_text(json.dumps(data))
     with pytest.raises(schema.ResultsError) as error:
         schema.load(path)
-    assert error.value.file == AB_NAME and error.value.field == field
-    assert str(error.value).startswith(f"{AB_NAME}: {field}: ")
+    assert error.value.file == GIL_NAME and error.value.field == field
+    assert str(error.value).startswith(f"{GIL_NAME}: {field}: ")
 
 
 def test_entries_of_a_list_and_the_runs_of_a_trainer_file_are_checked(tmp_path):
@@ -77,13 +76,42 @@ def test_an_unknown_theme_a_non_object_or_a_misnamed_file_is_refused(tmp_path, n
 
 
 def test_write_checks_before_writing_and_writes_what_load_reads(tmp_path):
-    path = tmp_path / AB_NAME
-    with pytest.raises(schema.ResultsError, match="trees: missing"):
-        schema.write(path, {k: v for k, v in AB.items() if k != "trees"})
+    path = tmp_path / GIL_NAME
+    with pytest.raises(schema.ResultsError, match="args: missing"):
+        schema.write(path, {k: v for k, v in GIL.items() if k != "args"})
     assert not path.exists()
-    schema.write(path, AB)
-    assert schema.load(path).data == AB and path.read_text().endswith("}\n")
-    assert schema.stem(ENV, "dflash-ab-default-trees") + ".json" == AB_NAME
+    schema.write(path, GIL)
+    assert schema.load(path).data == GIL and path.read_text().endswith("}\n")
+    assert [p.name for p in tmp_path.iterdir()] == [GIL_NAME]  # the JSON only: no per-run report
+    assert schema.stem(ENV, "gil-profile") + ".json" == GIL_NAME
+
+
+def absolute_paths(text: str) -> list[str]:
+    return [found.group(0) for found in schema.ABSOLUTE_PATH.finditer(text)]
+
+
+def test_no_committed_results_file_holds_an_absolute_path():
+    files = [p for p in schema.RESULTS.iterdir() if p.suffix in (".json", ".md")]
+    assert len(files) > 30
+    found = {p.name: absolute_paths(p.read_text()) for p in files}
+    assert {name: paths for name, paths in found.items() if paths} == {}
+
+
+def test_the_absolute_path_detector_finds_paths_and_leaves_links_ratios_and_relative_paths():
+    text = ('cache "/var/cache/x", File "/usr/lib/python3.12/threading.py", /tmp/run-1 and \'/opt/me\' '
+            'but not https://github.com/pytorch/pytorch/issues/123177, ../benchmarks/results/a.json, tokens/s, '
+            'a / b, 3/4 or benchmarks/README.md')
+    assert absolute_paths(text) == ["/var/cache/x", "/usr/lib/python3.12/threading.py", "/tmp/run-1", "/opt/me"]
+
+
+def test_write_makes_paths_inside_the_repository_relative_and_cuts_others_to_their_last_part(tmp_path):
+    data = dict(GIL, args={"devices": "cuda:0", "target": str(ROOT / ".tgcache" / "shape-8b"),
+                           "out_dir": str(tmp_path / "run-1"), "root": str(ROOT)})
+    path = schema.write(tmp_path / GIL_NAME, data)
+    assert schema.load(path).data["args"] == {"devices": "cuda:0", "target": ".tgcache/shape-8b", "out_dir": "run-1",
+                                              "root": "."}
+    assert schema.neutral(f"# report\n\ntarget: {ROOT / 'examples' / 'x.py'}\n") == "# report\n\ntarget: examples/x.py\n"
+    assert absolute_paths(path.read_text()) == [] and data["args"]["out_dir"] == str(tmp_path / "run-1")
 
 
 def test_recency_orders_by_date_then_gpu_over_cpu_then_torch_version():

@@ -1,18 +1,13 @@
 """benchmarks/thread_profile.py: a profiler trace's kernels attributed to the threads that launched
-them, on a hand-made Chrome trace (the GPU figures come from the throughput benchmark's runs); and
-the throughput report's lines for a profiled window."""
+them, on a hand-made Chrome trace (the GPU figures come from the throughput benchmark's runs)."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the scripts run
-thread_profile = importlib.import_module("thread_profile")
-dflash_report = importlib.import_module("dflash_report")
+from benchmarks import thread_profile
 
 
 def runtime(tid, name, correlation):
@@ -218,60 +213,6 @@ def test_a_probe_summary_that_fails_is_recorded_not_raised():
             raise RuntimeError("no trace to export")
 
     assert thread_profile.probe_kernels(Broken(), batches=5) == {"error": "RuntimeError: no trace to export"}
-
-
-def test_the_report_sets_the_windows_kernels_beside_the_sequential_probes():
-    long_name = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)"
-    trace = named_trace(extra_launch=True)
-    trace["traceEvents"][3]["name"] = trace["traceEvents"][5]["name"] = long_name  # the gemms
-    sequential = thread_profile.probe_kernels(FakeProfiler(named_trace()), batches=2)
-    sequential["by_name"]["gemm"] = [0.3, 1.0]  # 300 us a gemm in the sequential loop
-    threaded = thread_profile.attribute(trace, {}, window_ms=1.0)["kernels"]
-    lines = dflash_report.kernel_lines(threaded, sequential)
-    assert lines[0] == ("Kernels by name: the profiled window's (top 6 by its total) beside the sequential GPU "
-                        "probe's (2 batches):")
-    table = lines[2].splitlines()
-    assert table[0] == ("| kernel | sequential ms/batch | sequential mean us | threaded mean us | threaded / sequential mean "
-                        "| threaded share of kernel time |")
-    short = long_name[:57] + "..."
-    # the gemm's long name is not the sequential probe's "gemm": only in the window
-    assert table[2] == f"| `{short}` | - | - | 400.0 | - | 0.611 |"
-    assert table[3] == "| `attention` | 0.200 | 400.0 | 400.0 | 1.00 | 0.305 |"
-    assert "| `fill` | - | - | 30.0 | - | 0.023 |" in table
-    assert lines[4] == ("- names only in the threaded window: 2 of 6; only in the sequential probe: 1 of 5 "
-                        "(copies and memsets count as one name each)")
-    sequential["by_name"][long_name] = [0.3, 1.0]
-    assert dflash_report.kernel_lines(threaded, sequential)[2].splitlines()[2] == (
-        f"| `{short}` | 0.300 | 300.0 | 400.0 | 1.33 | 0.611 |")
-    # one side missing or failed: no table
-    assert dflash_report.kernel_lines(threaded, None) == dflash_report.kernel_lines(None, sequential) == []
-    assert dflash_report.kernel_lines(threaded, {"error": "RuntimeError: no trace"}) == []
-
-
-def test_the_report_shows_each_launching_threads_share_of_its_devices_span():
-    figures = thread_profile.attribute(TRACE, {101: "target-0", 102: "drafter-0"}, window_ms=10.0)
-    lines = dflash_report.profile_lines(figures)
-    assert lines[0].startswith("Profiled window (0.0 s of steady state, CUDA activity only): cuda:0 busy 0.49 of the "
-                               "0.01 s its kernels span;")
-    assert "| target-0 | 1.50 | 1.50 | 0.28 | 1 | 1 |" in lines[2]
-    assert dflash_report.profile_lines({}) == []
-    assert dflash_report.profile_lines({"error": "RuntimeError: CUPTI busy"}) == [
-        "Profiled window: failed (RuntimeError: CUPTI busy).", ""]
-    figures["training_ended_inside"] = True
-    assert "(training ended inside the window: the spans hold the pipeline's drain)." in dflash_report.profile_lines(figures)[0]
-
-
-def test_the_report_renders_a_profile_written_before_spans_over_its_window():
-    old = {"window_ms": 3000.166, "devices": {"0": {"busy_ms": 3041.938, "busy_share": 1.0139}},
-           "threads": {"other threads": {"kernel_ms": 3041.941, "busy_ms": 3041.938, "busy_share": 1.0139,
-                                         "launches": 6968, "graph_launches": 260}},
-           "concurrent_ms": 0.0, "training_ended_inside": True}
-    lines = dflash_report.profile_lines(old)
-    assert lines[0] == ("Profiled window (3.0 s of steady state, CUDA activity only): cuda:0 busy 1.01 of the window; "
-                        "kernels of two threads at once 0.0 ms (training ended inside the window: the shares count "
-                        "its idle end).")
-    assert "| other threads | 3041.94 | 3041.94 | 1.01 | 6968 | 260 |" in lines[2]
-    assert dflash_report.kernel_lines(old.get("kernels"), None) == []
 
 
 def test_a_profile_that_never_started_has_no_result_and_one_that_failed_raises_its_error():

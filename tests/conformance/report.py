@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results_schema import neutral
+
 from .placements import PLACEMENTS
 
 
@@ -58,5 +60,5 @@ def write_results(rows: list[dict], path: Path) -> None:
               "date": str(datetime.date.today()), "placements": list(PLACEMENTS),
               "equal": sum(row["equal"] for row in rows), "cases": len(rows),
               "rows": [{k: v for k, v in row.items() if k != "stderr_tail"} for row in rows]}
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    path.parent.joinpath(path.name[: -len(".json")] + ".md").write_text(render_markdown(rows), encoding="utf-8")
+    path.write_text(json.dumps(neutral(record), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    path.parent.joinpath(path.name[: -len(".json")] + ".md").write_text(neutral(render_markdown(rows)), encoding="utf-8")

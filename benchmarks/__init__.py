@@ -1,0 +1,1 @@
+"""threadgraph's benchmarks and the renderer of their results: ``python -m benchmarks --help``."""
