@@ -17,7 +17,7 @@ records name torch, not the GPU). A run that failed is kept as ``{"error": ...}`
 in the folder the phase also holds every test's outcome (``pytest_outcomes``).
 ``THREADGRAPH_GPU_STEPS=1000`` gives the 1000-step figures of docs/results.md.
 
-``fence-matrix`` turns the records of ``tests/helpers/gpu_fence_scenarios.py`` (run and asserted on by
+``fence-matrix`` turns the records of ``tests/library/gpu_fence_scenarios.py`` (run and asserted on by
 ``tests/library/test_gpu_fence.py``; this script asserts nothing) into
 ``fence-matrix_<gpu>_torch<version>_<date>.json``: every cell of the matrix (a plain thread's eager op
 class beside 3 workers' warm-ups and recordings, training and inference, with and without the fence)
@@ -38,7 +38,7 @@ from . import results_schema
 from .headlines import fence_variant
 
 MODULE = "tests.helpers.gpu_scenarios"
-FENCE_MODULE = "tests.helpers.gpu_fence_scenarios"
+FENCE_MODULE = "tests.library.gpu_fence_scenarios"
 OP_CLASSES = ("rng", "compiled_rng", "sync", "host", "memory")
 KINDS = ("train", "infer")
 VARIANTS = ("fenced", "unfenced")

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def selftest_line(result: dict) -> str:
-    """One selftest check as the text report prints it (benchmarks/doctor_selftest.py reads it back)."""
+    """One selftest check as the text report prints it."""
     verdict = "PASS" if result.get("passed") else "FAIL"
     detail = (f"p50 {result['p50_ms']:.3f} ms, p90 {result['p90_ms']:.3f} ms, {result['captures']} captures"
               if result.get("p50_ms") is not None else str(result.get("error", "")))

@@ -15,7 +15,7 @@ NOON = 1764590400  # 2025-12-01 12:00 UTC
 WHO = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}
 
 
-def record(folder, tag, args, result=None, rc=0, module="tests.helpers.gpu_fence_scenarios"):
+def record(folder, tag, args, result=None, rc=0, module="tests.library.gpu_fence_scenarios"):
     path = folder / f"{tag}.json"
     path.write_text(json.dumps({"tag": tag, "args": ["-m", module, *args], "rc": rc, "seconds": 9.0,
                                 "result": result, "last_stderr_line": None if rc == 0 else "RuntimeError: CUDA error"}))
@@ -72,7 +72,7 @@ def test_a_test_runs_records_become_the_fence_matrix_file(log, tmp_path):
 def test_a_folder_without_fence_records_or_of_two_torches_is_refused(tmp_path, log):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="no records of tests.helpers.gpu_fence_scenarios runs"):
+    with pytest.raises(SystemExit, match="no records of tests.library.gpu_fence_scenarios runs"):
         collector.collect_fence(empty, tmp_path)
     record(log, "matrix_ops_memory_kind_train", ["matrix", "--ops", "memory", "--kind", "train"],
            dict(cell("memory", "train", "fenced"), torch="2.12.0"))

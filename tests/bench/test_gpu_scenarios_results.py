@@ -31,7 +31,7 @@ def suite(folder: Path) -> Path:
     record(folder, "many_workers_8_steps_200", ["-m", "tests.helpers.gpu_scenarios", "many", "--workers", "8", "--steps", "200"],
            result=MANY)
     record(folder, "whole_step_steps_200", ["-m", "tests.helpers.gpu_scenarios", "whole_step", "--steps", "200"], rc=1)
-    record(folder, "repro_123177_threads_32", ["-m", "tests.helpers.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
+    record(folder, "repro_123177_threads_32", ["-m", "tests.library.gpu_fence_scenarios", "repro_123177", "--threads", "32"],
            result={"gpu": "NVIDIA H200", "torch": "2.12.0"})  # the fence's own benchmark keeps these
     (folder / "junit.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.library.test_gpu" name="test_many"/>'
