@@ -179,14 +179,15 @@ def generation_counters_are_global() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _generation_tracker() -> Any:
+def generation_tracker() -> Any:
+    """What holds Dynamo's process-wide generation counter in its ``generation`` attribute: the
+    class ``GenerationTracker`` (2.1 - 2.14), or its one module-level instance (2.15)."""
     return require("torch._dynamo.mutation_guard", "GenerationTracker")
 
 
 def process_generation() -> int:
-    """Dynamo's process-wide generation counter (``GenerationTracker.generation``: a class
-    attribute, or an attribute of one module-level instance). Read on every compiled call."""
-    return _generation_tracker().generation
+    """Dynamo's process-wide generation counter (``GenerationTracker.generation``)."""
+    return generation_tracker().generation
 
 
 def dynamo_contexts_have_enter_hooks() -> bool:

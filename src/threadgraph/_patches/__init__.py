@@ -81,7 +81,7 @@ PATCHES = [
     Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", "global-generation", "2.1 - 2.15.0",
           _UNTIL_GEN, _NONE, _generation.worker_user_mark_step, read=_READ, run=_RUN, changes=_GEN_SAME),
     Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", "global-generation",
-          "2.1 - 2.15.0", _UNTIL_GEN, _NONE, _generation.worker_generation_bump, read=_READ, run=_RUN,
+          "2.1 - 2.15.0", _UNTIL_GEN, _NONE, None, replace=_generation.worker_generation_bump, read=_READ, run=_RUN,
           changes="eval_frame calls it through its module global on every entry into a compiled frame in all three; "
                   "2.15 renamed its once-only marker and made `GenerationTracker` one dataclass instance (still "
                   "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched"),
@@ -127,7 +127,7 @@ PATCHES = [
           read=_READ, run=_RUN,
           changes="2.14 keeps the flag in a `threading.local` (`_is_fx_tracing_tls`): not applied on 2.14.1, 2.15.0"),
     Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing", "global-fx-tracing-flag",
-          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, _fx_flag.fx_symbolic_tracing_in_this_thread,
+          "2.1 - 2.13 (feature-detected)", _UNTIL_FX, _FX_UPSTREAM, None, replace=_fx_flag.fx_symbolic_tracing_in_this_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global()
           and _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing",
           read=_READ, run=_RUN, changes="2.14 reads the per-thread flag: not applied on 2.14.1, 2.15.0"),
