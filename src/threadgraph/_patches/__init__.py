@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from threadgraph._patches import capture_guard as _capture_guard
 from threadgraph._patches import capture_lock as _capture_lock
 
 from threadgraph import _compat
@@ -37,6 +38,8 @@ from threadgraph._patches import fx_window as _fx_window
 from threadgraph._patches import gate_wrappers as _gate_wrappers
 
 from threadgraph._patches import generation as _generation
+
+from threadgraph._patches import verify as _verify
 
 from threadgraph._device import tls as _tls
 from threadgraph._errors import ThreadgraphWarning
@@ -222,6 +225,24 @@ PATCHES += [
           _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive, read=_READ, run=_RUN_FENCE, changes=_CAPTURE_SAME),
 ]
 
+_ACCELERATOR_GRAPH = "torch.accelerator:Graph"
+_RUN_GUARD = "CPU tests on 2.13.0 (2 cores, no GPU) with the failure path reproduced by stand-ins"
+
+PATCHES += [
+    Patch("capture_failure_gives_gate_back", "torch.cuda.graphs:graph.__enter__", "device-wide-capture", "2.1 - 2.15.0",
+          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back, read="2.15.0", run=_RUN_GUARD,
+          changes="2.15's `__enter__` ends a capture that failed after `capture_begin` with `capture_end_pre()` "
+                  "alone and re-raises: `capture_end` never runs"),
+    Patch("accelerator_capture_begin_exclusive", f"{_ACCELERATOR_GRAPH}.capture_begin", "device-wide-capture",
+          "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_begin_exclusive,
+          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
+          changes="`torch.accelerator.Graph` (2.13.0, 2.15.0 read) captures through its own `capture_begin`"),
+    Patch("accelerator_capture_end_exclusive", f"{_ACCELERATOR_GRAPH}.capture_end", "device-wide-capture",
+          "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive,
+          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
+          changes="`torch.accelerator.Graph` (2.13.0, 2.15.0 read) captures through its own `capture_end`"),
+]
+
 FENCE_PATCHES = frozenset({"fence_rng", "fence_rng_ops", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
 
 _registry = Registry(PATCHES)
@@ -252,6 +273,7 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
     """
     check_settings()
     exclude = patch_names(exclude, "exclude") | _excluded_by_env()
+    _verify.check(PATCHES, exclude)
     applied = _registry.install(exclude, also_missing=_compat.missing_required())
     if FENCE_PATCHES & set(applied):
         _compat.refresh_dynamo_rules()
