@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fingerprints":
         return record_fingerprints(args.torch_root, args.write)
 
-    info = report()
+    try:
+        info = report()
+    except SettingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.selftest and not info["cuda_available"]:
         message = "threadgraph doctor --selftest needs a CUDA GPU; this machine has none (torch sees no GPU). Run it on a GPU machine."
         print(json.dumps(info | {"selftest": message}) if args.json else format_report(info) + "\n\n" + message)

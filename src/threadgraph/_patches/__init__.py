@@ -80,14 +80,17 @@ PATCHES = [
           _generation.worker_mark_step, read=_READ, run=_RUN,
           changes="identical in 2.13.0, 2.14.1, 2.15.0: decrements the class attribute `MarkStepBox.mark_step_counter`"),
     Patch("worker_generation", f"{_MANAGER}.get_curr_generation", "global-generation", "2.1 - 2.15.0", _UNTIL_GEN,
-          _NONE, _generation.worker_curr_generation, read=_READ, run=_RUN, changes=_GEN_SAME),
+          _NONE, _generation.worker_curr_generation, read=_READ, run=_RUN, changes=_GEN_SAME,
+          assumes=(f"{_MANAGER}.in_new_torch_compile_invocation", f"{_MANAGER}.can_start_new_generation",
+                   "torch._dynamo.mutation_guard:GenerationTracker")),
     Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", "global-generation", "2.1 - 2.15.0",
           _UNTIL_GEN, _NONE, _generation.worker_user_mark_step, read=_READ, run=_RUN, changes=_GEN_SAME),
     Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init", "global-generation",
           "2.1 - 2.15.0", _UNTIL_GEN, _NONE, None, replace=_generation.worker_generation_bump, read=_READ, run=_RUN,
           changes="eval_frame calls it through its module global on every entry into a compiled frame in all three; "
                   "2.15 renamed its once-only marker and made `GenerationTracker` one dataclass instance (still "
-                  "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched"),
+                  "process-wide). `RunOnlyContext` (`torch._dynamo.run`) bumps the counter directly, unpatched",
+          assumes=("torch._dynamo.mutation_guard:GenerationTracker",)),
     Patch("worker_run_only_generation", "torch._dynamo.eval_frame:RunOnlyContext.__init__", "global-generation",
           "2.1 - 2.15.0 (feature-detected)", _UNTIL_GEN, _NONE, _generation.worker_run_only_generation,
           applies=_compat.dynamo_contexts_have_enter_hooks, read="2.13.0, 2.14.1", run=_RUN_NEW,
@@ -164,12 +167,15 @@ PATCHES = [
           run="CPU tests on 2.11.0, 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU); its wait for the trace, without the "
               "uncompiled call, in the DFlash trainer on an H200 (2.11.0); not yet in the GPU test suite",
           changes="`Tracer.trace` enters `_new_patcher()` through its module global and patches "
-                  "`nn.Module.__call__` / `__getattr__` inside it in 2.11.0 - 2.15.0"),
+                  "`nn.Module.__call__` / `__getattr__` inside it in 2.11.0 - 2.15.0",
+          assumes=("torch._dynamo.convert_frame:compile_lock", "torch._dynamo.types:FrameExecStrategy",
+                   "torch._dynamo.types:ConvertFrameReturn", "torch.fx._symbolic_trace:Tracer.trace")),
     Patch("first_call_in_turn", "torch._dynamo.eval_frame:OptimizeContext.__call__", "concurrent-first-compile",
           "2.1 - 2.15.0", "upstream looks the cache up again once it holds the compile lock", _NONE,
           _first_call.first_call_in_turn, read=_READ, run=_RUN,
           changes="`torch.compile` returns `OptimizeContext.__call__(fn)` in 2.13.0, 2.14.1 and 2.15.0; a module "
-                  "becomes an `OptimizedModule` whose `forward` is built by the same call on `Module.__call__`"),
+                  "becomes an `OptimizedModule` whose `forward` is built by the same call on `Module.__call__`",
+          assumes=("torch._dynamo.eval_frame:innermost_fn",)),
     Patch("inductor_backend_per_settings", "torch:_TorchCompileInductorWrapper", "concurrent-first-compile",
           "2.1 - 2.15.0", "upstream matches backends by their settings everywhere", "pytorch/pytorch#168373",
           None, replace=_first_call.one_backend_per_settings, read=_READ, run=_RUN,
@@ -215,7 +221,8 @@ PATCHES += [
     Patch("fence_rng_ops", _RNG_OP_TARGET, "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL,
           _NONE, None, more_targets=_rng_op_targets, replace=_fence.fenced_op, read=_READ, run=_RUN_FENCE,
           changes=_FENCE_SAME + "; `OpOverload.__hash__` is `hash(self._op)` in 2.13.0 and "
-                  "`hash(self._cpp_dispatch_handle)` in 2.14.1 and 2.15.0 (read), which the patch leaves as it is"),
+                  "`hash(self._cpp_dispatch_handle)` in 2.14.1 and 2.15.0 (read), which the patch leaves as it is",
+          assumes=("torch._ops:OpOverload.__hash__", "torch._ops:OpOverload.__call__")),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", "2.1 - 2.15.0", _FENCE_UNTIL, _NONE, None,
           replace=_fence.fenced_synchronize,
           read=_READ, run=_RUN_FENCE, changes="unchanged in 2.13.0 - 2.15.0"),
@@ -230,7 +237,7 @@ _RUN_GUARD = "CPU tests on 2.13.0 (2 cores, no GPU) with the failure path reprod
 
 PATCHES += [
     Patch("capture_failure_gives_gate_back", "torch.cuda.graphs:graph.__enter__", "device-wide-capture", "2.1 - 2.15.0",
-          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back, read="2.15.0", run=_RUN_GUARD,
+          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back, read="2.13.0, 2.15.0", run=_RUN_GUARD,
           changes="2.15's `__enter__` ends a capture that failed after `capture_begin` with `capture_end_pre()` "
                   "alone and re-raises: `capture_end` never runs"),
     Patch("accelerator_capture_begin_exclusive", f"{_ACCELERATOR_GRAPH}.capture_begin", "device-wide-capture",

@@ -206,7 +206,7 @@ def differences(patches: Iterable[Any], exclude: Iterable[str] = ()) -> tuple[Op
             then = record["symbols"][target]
             if now != then:
                 found.append(Difference(patch.name, target.replace(":", "."),
-                                        f"its code differs from torch {version}'s (fingerprint {now} there {then})"))
+                                        f"its code differs from torch {version}'s (fingerprint {now}; {then} in {version})"))
     recorded = record.get("checks", {})
     for name, (check, users) in CHECKS.items():
         if name not in recorded:
