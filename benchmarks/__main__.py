@@ -27,6 +27,7 @@ MEASURE = {
     "dflash-throughput": ("dflash_throughput.py", ()),
     "trainer-runs": ("trainer_runs.py", ()),
     "install-overhead": ("install_overhead.py", ()),
+    "call-overhead": ("call_overhead.py", ()),
     "fence-overhead": ("fence_overhead.py", ()),
     "gil-profile": ("gil_profile.py", ()),
 }
