@@ -110,7 +110,7 @@ def markdown(result: dict) -> str:
     lines = [f"# call-overhead: install() on a tiny compiled function (CPU, torch {env['torch']})", "",
              f"- Python {env['python']}, {env['cpus']} CPUs, {env['date']}",
              f"- median of {result['args']['reps']} x {result['args']['calls']} calls per variant, all in one run",
-             f"- frames Dynamo compiled after the first warm-up (a recompile shows here): {result["frames_compiled_after_first_warmup"]}", "",
+             f"- frames Dynamo compiled after the first warm-up (a recompile shows here): {result['frames_compiled_after_first_warmup']}", "",
              "| variant | per call (us) | over none (us) | ratio to none |", "|---|---:|---:|---:|"]
     for row in result["rows"]:
         lines.append(f"| {row['variant']} | {row['per_call_us']:.3f} | {row['over_none_us']:+.3f} | "
