@@ -18,6 +18,7 @@ import inspect
 import logging
 import os
 import platform
+import threading
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -139,6 +140,11 @@ def reference(version: Optional[str] = None) -> tuple[Optional[str], bool]:
 
 def record_live(patches: Iterable[Any]) -> dict:
     """The running torch's record: fingerprints of every target and assumed symbol, and each check's outcome."""
+    with _parsing:
+        return _record_live(list(patches))
+
+
+def _record_live(patches: list) -> dict:
     symbols: dict[str, Optional[str]] = {}
     for patch in patches:
         for target in [*patch.targets(), *patch.assumes]:
@@ -182,9 +188,19 @@ def _live_fingerprint(target: str) -> Optional[str]:
     return value
 
 
+# CPython 3.11's ast module keeps its recursion depth per interpreter: two threads parsing at once (workers
+# calling install() together) can fail with "AST constructor recursion depth mismatch".
+_parsing = threading.Lock()
+
+
 def differences(patches: Iterable[Any], exclude: Iterable[str] = ()) -> tuple[Optional[str], bool, list[Difference]]:
     """``(reference release, whether it is the running one, differences)`` of the patches install()
     would apply (``exclude`` left out) and of every check."""
+    with _parsing:
+        return _differences(list(patches), exclude)
+
+
+def _differences(patches: list, exclude: Iterable[str]) -> tuple[Optional[str], bool, list[Difference]]:
     version, verified = reference()
     if version is None:
         return None, False, [Difference("(all)", "fingerprints.json", "no verified release is recorded")]
@@ -227,6 +243,7 @@ def check(patches: Iterable[Any], exclude: Iterable[str] = ()) -> list[Differenc
     """install()'s check: raise in strict mode on any difference, before anything is patched; else warn
     once per difference per process. Returns the differences."""
     is_strict = strict()
+    patches = list(patches)
     version, verified, found = differences(patches, exclude)
     if found and is_strict:
         listed = "\n  ".join(d.message(version or "?", verified) for d in found)
