@@ -233,21 +233,16 @@ PATCHES += [
 ]
 
 _ACCELERATOR_GRAPH = "torch.accelerator:Graph"
-_RUN_GUARD = "CPU tests on 2.13.0 (2 cores, no GPU) with the failure path reproduced by stand-ins"
 
 PATCHES += [
     Patch("capture_failure_gives_gate_back", "torch.cuda.graphs:graph.__enter__", "device-wide-capture", "2.1 - 2.15.0",
-          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back, read="2.13.0, 2.15.0", run=_RUN_GUARD,
-          changes="2.15's `__enter__` ends a capture that failed after `capture_begin` with `capture_end_pre()` "
-                  "alone and re-raises: `capture_end` never runs"),
+          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back),
     Patch("accelerator_capture_begin_exclusive", f"{_ACCELERATOR_GRAPH}.capture_begin", "device-wide-capture",
           "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_begin_exclusive,
-          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
-          changes="`torch.accelerator.Graph` (2.13.0, 2.15.0 read) captures through its own `capture_begin`"),
+          applies=lambda: _compat.accelerator_graph() is not None),
     Patch("accelerator_capture_end_exclusive", f"{_ACCELERATOR_GRAPH}.capture_end", "device-wide-capture",
           "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive,
-          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
-          changes="`torch.accelerator.Graph` (2.13.0, 2.15.0 read) captures through its own `capture_end`"),
+          applies=lambda: _compat.accelerator_graph() is not None),
 ]
 
 FENCE_PATCHES = frozenset({"fence_rng", "fence_rng_ops", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})

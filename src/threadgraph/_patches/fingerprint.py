@@ -1,8 +1,8 @@
 """Fingerprints of the torch code threadgraph patches or relies on, and the file that records them.
 
-A fingerprint is a short hash of a definition's normalised source: the ``def``/``class``/assignment
-parsed with ``ast``, its docstrings dropped, written back with ``ast.unparse`` (no comments, one
-layout), so it is the same on every Python version that reads the same source. It is computed two
+A fingerprint is a short hash of a definition's syntax tree: the ``def``/``class``/assignment parsed
+with ``ast``, without positions, comments, layout or docstrings, and without the fields newer
+Pythons added, so it is the same on every Python from 3.10 on that reads the same source. It is computed two
 ways that agree: from a live object (``inspect.getsource``; a function another library replaced
 shows its own source) and from a torch source tree without importing it (``SourceTree``: the
 ``.py`` files of an unpacked wheel), following ``from x import name`` and base classes of the same
@@ -60,9 +60,24 @@ def _strip_docstrings(node: ast.AST) -> ast.AST:
     return node
 
 
+# Fields newer Pythons added with empty defaults (3.12's type parameters) or that only say how a
+# source spelt something: left out, so every Python from 3.10 on gives one fingerprint.
+_VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, ast.AST):
+        fields = [(name, _canonical(getattr(value, name, None))) for name in value._fields
+                  if name not in _VERSION_FIELDS and getattr(value, name, None) not in (None, [])]
+        return (type(value).__name__, fields)
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    return repr(value)
+
+
 def of_node(node: ast.AST) -> str:
-    """The fingerprint of one parsed definition."""
-    text = ast.unparse(_strip_docstrings(node))
+    """The fingerprint of one parsed definition: its syntax tree without positions or docstrings."""
+    text = repr(_canonical(_strip_docstrings(node)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
