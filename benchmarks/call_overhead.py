@@ -3,11 +3,12 @@
     python -m benchmarks call-overhead [--reps 7] [--calls 5000] [--out-dir benchmarks/results]
 
 The main thread calls a tiny ``torch.compile``d function (``x * 2 + 1`` on a 4-element tensor,
-Inductor on the CPU) in a loop; nothing else runs. Variants, each timed ``--reps`` times in turns
-within this one process (so a machine that speeds up or slows down weighs on all of them alike):
-no patches, every patch, and every patch that applies on this torch alone. Before each timing the
-variant's patches are put in place and the function is compiled again (Dynamo's cache serves it:
-no recompilation), then called ``--calls`` times. Prints, and with ``--out-dir`` writes, the median
+Inductor on the CPU) in a loop; nothing else runs. Variants, timed in turns within this one process
+(so a machine that speeds up or slows down weighs on all of them alike): no patches, every patch,
+and every patch that applies on this torch alone, each with its own copy of the function; each round times each single patch ``--reps``
+times in all, each time between a timing of no patches and one of every patch. Before each timing the
+variant's patches are put in place and its copy is compiled (its first call compiles it, once
+per process), then called ``--calls`` times. Prints, and with ``--out-dir`` writes, the median
 per-call time of each variant, its cost over no patches (us) and its ratio to no patches.
 """
 
@@ -21,7 +22,9 @@ import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -35,6 +38,12 @@ THEME = "call-overhead"
 
 def tiny(x: torch.Tensor) -> torch.Tensor:
     return x * 2 + 1
+
+
+def own_copy(index: int) -> Callable:
+    """``tiny`` with a code object of its own: Dynamo caches compiled code per code object, so each
+    variant compiles its copy once, under its own patches, and never meets another variant's entries."""
+    return types.FunctionType(tiny.__code__.replace(co_name=f"tiny_{index}"), tiny.__globals__, f"tiny_{index}")
 
 
 def time_calls(compiled, x: torch.Tensor, calls: int) -> float:
@@ -73,10 +82,15 @@ def measure(reps: int, calls: int) -> dict:
     x = torch.ones(4)
     times: dict[str, list[float]] = {name: [] for name in table}
     recompiles_before = None
+    functions = {name: own_copy(index) for index, name in enumerate(table)}
+    singles = [name for name in table if name not in ("none", "all")]
     for rep in range(reps):
-        for name, exclude in table.items():
+        # Each single patch is timed between a timing of none and one of all, so the two ends of
+        # the comparison are sampled all through the run, not once a round.
+        for name in [step for single in singles for step in ("none", "all", single)]:
+            exclude = table[name]
             set_variant(exclude)
-            compiled = torch.compile(tiny)
+            compiled = torch.compile(functions[name])
             for _ in range(20):  # the first call compiles (once per process) and settles first_call's turn
                 compiled(x)
             if recompiles_before is None:
@@ -109,7 +123,8 @@ def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# call-overhead: install() on a tiny compiled function (CPU, torch {env['torch']})", "",
              f"- Python {env['python']}, {env['cpus']} CPUs, {env['date']}",
-             f"- median of {result['args']['reps']} x {result['args']['calls']} calls per variant, all in one run",
+             f"- per-call CPU time of this thread, median of {result['args']['reps']} timings of {result['args']['calls']} "
+             "calls per single patch (none and all: one timing beside each single patch's), all in one run",
              f"- frames Dynamo compiled after the first warm-up (a recompile shows here): {result['frames_compiled_after_first_warmup']}", "",
              "| variant | per call (us) | over none (us) | ratio to none |", "|---|---:|---:|---:|"]
     for row in result["rows"]:
