@@ -233,16 +233,21 @@ PATCHES += [
 ]
 
 _ACCELERATOR_GRAPH = "torch.accelerator:Graph"
+_RUN_GUARD = "CPU tests on 2.13.0, 2.14.1, 2.15.0 (2 cores, no GPU) with stand-ins for the capture"
+_ACCELERATOR_SAME = "`torch.accelerator.Graph` captures through its own methods in 2.13.0 and 2.15.0, not CUDAGraph's"
 
 PATCHES += [
     Patch("capture_failure_gives_gate_back", "torch.cuda.graphs:graph.__enter__", "device-wide-capture", "2.1 - 2.15.0",
-          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back),
+          _UNTIL_CAPTURE, _NONE, _capture_guard.enter_gives_gate_back, read="2.13.0, 2.15.0", run=_RUN_GUARD,
+          changes="2.15 ends a capture whose set-up failed after `capture_begin` with `capture_end_pre()` alone"),
     Patch("accelerator_capture_begin_exclusive", f"{_ACCELERATOR_GRAPH}.capture_begin", "device-wide-capture",
           "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_begin_exclusive,
-          applies=lambda: _compat.accelerator_graph() is not None),
+          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
+          changes=_ACCELERATOR_SAME),
     Patch("accelerator_capture_end_exclusive", f"{_ACCELERATOR_GRAPH}.capture_end", "device-wide-capture",
           "2.13 - 2.15.0 (feature-detected)", _UNTIL_CAPTURE, _NONE, _fence.capture_end_exclusive,
-          applies=lambda: _compat.accelerator_graph() is not None),
+          applies=lambda: _compat.accelerator_graph() is not None, read="2.13.0, 2.15.0", run=_RUN_GUARD,
+          changes=_ACCELERATOR_SAME),
 ]
 
 FENCE_PATCHES = frozenset({"fence_rng", "fence_rng_ops", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
