@@ -190,3 +190,10 @@ def test_the_record_command_reads_a_source_tree_and_refuses_a_wrong_folder(tmp_p
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "holds no torch source tree" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_without_the_record_every_install_says_nothing_is_verified(fresh, monkeypatch, tmp_path):
+    monkeypatch.setattr(fingerprint, "DATA", tmp_path / "fingerprints.json")
+    with pytest.warns(ThreadgraphWarning, match=r"fingerprints\.json: no verified release is recorded, so nothing"):
+        threadgraph.install()
+    assert "error: no verified release is recorded" in format_report(report())

@@ -106,7 +106,10 @@ class Difference:
     symbol: str
     what: str
 
-    def message(self, reference: str, verified: bool) -> str:
+    def message(self, reference: Optional[str], verified: bool) -> str:
+        if reference is None:
+            return (f"threadgraph: {self.symbol}: {self.what}, so nothing threadgraph patches can be checked; "
+                    "reinstall threadgraph (its package data is incomplete)")
         why = (f"torch {reference} is a verified release, so something in this process changed it (another "
                "library's patch?)" if verified else
                f"this torch is not a verified release: upstream changed it since {reference}, the newest verified "
@@ -247,14 +250,14 @@ def check(patches: Iterable[Any], exclude: Iterable[str] = ()) -> list[Differenc
     patches = list(patches)
     version, verified, found = differences(patches, exclude)
     if found and is_strict:
-        listed = "\n  ".join(d.message(version or "?", verified) for d in found)
+        listed = "\n  ".join(d.message(version, verified) for d in found)
         raise UnsupportedTorchError(f"threadgraph: {STRICT_ENV}=1 and torch {torch.__version__} differs from what "
                                     f"threadgraph verified; nothing was patched:\n  {listed}")
     for difference in found:
         if difference in _reported:
             continue
         _reported.add(difference)
-        message = difference.message(version or "?", verified)
+        message = difference.message(version, verified)
         log.warning(message)
         warnings.warn(message, ThreadgraphWarning, stacklevel=3)
     return found
