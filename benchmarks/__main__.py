@@ -25,6 +25,7 @@ COMMANDS = {
     "trainer-startup": ("measure", "trainer_startup", ()),
     "tau-reproducibility": ("measure", "tau_reproducibility", ()),
     "install-overhead": ("measure", "install_overhead", ()),
+    "call-overhead": ("measure", "call_overhead", ()),
     "fence-overhead": ("measure", "fence_overhead", ()),
     "gil-profile": ("measure", "gil_profile", ()),
     "gpu-scenarios": ("collect", "gpu_scenarios_results", ("gpu-scenarios",)),

@@ -153,6 +153,13 @@ def install_overhead(data: dict) -> list:
             for task, r in data["summary"].items()]
 
 
+def call_overhead(data: dict) -> list:
+    rows = {r["variant"]: r for r in data["rows"]}
+    every, none = rows["all"], rows["none"]
+    return [("tiny compiled function, CPU, main thread",
+             f"install() / none {every['ratio_to_none']:.3f} ({every['per_call_us']:.2f} / {none['per_call_us']:.2f} us per call)")]
+
+
 def conformance(data: dict) -> list:
     differing = [row["case"] for row in data["rows"] if not row["equal"]]
     figure = f"{data['equal']} of {data['cases']} cases observe the same in all {len(data['placements'])} placements"
@@ -189,7 +196,7 @@ def gpu_scenarios(data: dict) -> list:
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
-              "install-overhead": install_overhead, "conformance": conformance}
+              "install-overhead": install_overhead, "call-overhead": call_overhead, "conformance": conformance}
 
 
 def extractor(theme: str):

@@ -110,6 +110,7 @@ THEMES: dict[str, dict[str, Any]] = {
     "fence-overhead": {"rows": list, "rows[]": {"task": str, "workers": int, "fenced_p50_ms": NUMBER,
                                                 "unfenced_p50_ms": NUMBER, "ratio_fenced_over_unfenced": NUMBER}},
     "install-overhead": {"env": dict, "summary": dict},
+    "call-overhead": {"env": dict, "rows": list, "rows[]": {"variant": str, "per_call_us": NUMBER, "ratio_to_none": NUMBER}},
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
 }

@@ -13,6 +13,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import json
 import mmap
 import sys
 import threading
@@ -37,9 +38,17 @@ REQUIRED_SYMBOLS = (
 )
 
 
-# The newest torch the test suite ran on. doctor warns beyond it; this is the one version
-# comparison threadgraph makes, and it chooses no behaviour (features are detected).
-NEWEST_VERIFIED = (2, 15, 0)
+def _newest_recorded() -> tuple[int, ...]:
+    # Without the file (a build that left it out) no release counts as verified: install() says so.
+    path = Path(__file__).parent / "_patches" / "fingerprints.json"
+    versions = json.loads(path.read_text(encoding="utf-8"))["releases"] if path.is_file() else {}
+    return max((tuple(int(part) for part in version.split(".")) for version in versions), default=(0, 0, 0))
+
+
+# The newest torch whose fingerprints were recorded after its tests passed (_patches/fingerprints.json).
+# doctor warns beyond it; this is the one version comparison threadgraph makes, and it chooses no
+# behaviour (features are detected).
+NEWEST_VERIFIED = _newest_recorded()
 
 
 def release(version: str | None = None) -> tuple[int, int, int]:
@@ -182,14 +191,15 @@ def generation_counters_are_global() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _generation_tracker() -> Any:
+def generation_tracker() -> Any:
+    """What holds Dynamo's process-wide generation counter in its ``generation`` attribute: the
+    class ``GenerationTracker`` (2.1 - 2.14), or its one module-level instance (2.15)."""
     return require("torch._dynamo.mutation_guard", "GenerationTracker")
 
 
 def process_generation() -> int:
-    """Dynamo's process-wide generation counter (``GenerationTracker.generation``: a class
-    attribute, or an attribute of one module-level instance). Read on every compiled call."""
-    return _generation_tracker().generation
+    """Dynamo's process-wide generation counter (``GenerationTracker.generation``)."""
+    return generation_tracker().generation
 
 
 def dynamo_contexts_have_enter_hooks() -> bool:
@@ -286,6 +296,14 @@ def has_global_compile_lock() -> bool:
     """Dynamo's ``compile_lock``: one process-wide lock around every frame's compile."""
     convert_frame = importlib.import_module("torch._dynamo.convert_frame")
     return getattr(convert_frame, "compile_lock", None) is not None
+
+
+def accelerator_graph() -> Any:
+    """``torch.accelerator.Graph`` (2.13+), a capture API beside ``torch.cuda.CUDAGraph`` whose
+    ``capture_begin`` / ``capture_end`` do not go through CUDAGraph's; None where torch lacks it."""
+    accelerator = getattr(torch, "accelerator", None)
+    graph = getattr(accelerator, "Graph", None)
+    return graph if isinstance(graph, type) and "capture_begin" in vars(graph) else None
 
 
 def has_remove_obj_from_tls() -> bool:

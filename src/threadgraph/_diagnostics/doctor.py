@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import threading
 
@@ -12,7 +13,8 @@ from threadgraph import _compat
 
 from threadgraph._diagnostics import hazards as _hazards
 from threadgraph._errors import UnsupportedTorchError
-from threadgraph._patches import patches
+from threadgraph._patches import PATCHES as _PATCHES, patches
+from threadgraph._patches import verify as _verify
 
 _STATUS = {"present": "[x]", "absent": "[ ]", "assumed": "[?]"}
 
@@ -24,6 +26,12 @@ def report() -> dict:
         hazards, hazards_error = _hazards.report(), None
     except UnsupportedTorchError as exc:  # the detection needs a symbol this torch lacks: say so, go on
         hazards, hazards_error = [], str(exc)
+    rows = patches()
+    strict = _verify.strict()
+    version, verified, found = _verify.differences(_PATCHES)
+    verification = {"reference": version, "verified": verified,
+                    "differences": [dataclasses.asdict(d) for d in found],
+                    "status": _verify.statuses(rows, found, version)}
     return {
         "threadgraph": threadgraph.__version__,
         "python": platform.python_version(),
@@ -35,7 +43,9 @@ def report() -> dict:
         "newer_than_verified": _compat.newer_than_verified(),
         "hazards": hazards,
         "hazards_error": hazards_error,
-        "patches": patches(),
+        "patches": rows,
+        "verification": verification,
+        "strict": strict,
         "missing_symbols": sorted(_compat.missing_required()),
         "other_threads": foreign,
     }
@@ -65,13 +75,18 @@ def format_report(info: dict) -> str:
         lines.append(f"  {_STATUS[h['status']]} {h['name']:<{width}}  {addressed}")
     if info["hazards_error"]:
         lines.append(f"  cannot detect them: {info['hazards_error']}")
-    lines += ["", "patches (install() applies those marked 'applies'; 'n/a': this torch lacks the target):"]
+    check = info["verification"]
+    if check["reference"] is None:
+        lines += ["", "error: no verified release is recorded (threadgraph's fingerprints.json is missing)"]
+    else:
+        against = ("this release's own record (a verified release)" if check["verified"] else
+                   f"torch {check['reference']}, the newest verified release before this one (this one is not verified)")
+        lines += ["", f"patches, checked against {against}; {len(check['differences'])} difference(s)"
+                      + (f" ({_verify.STRICT_ENV}=1: install() refuses)" if info["strict"] and check["differences"] else "")
+                      + ":"]
     width = max((len(p["name"]) for p in info["patches"]), default=0)
-    hazard_width = max((len(p["hazard"]) for p in info["patches"]), default=0)
     for p in info["patches"]:
-        state = "active" if p["active"] else ("applies" if p["applies"] else "n/a" if p["missing"] else "not needed")
-        lacks = f"  (not applicable: this torch lacks {', '.join(p['missing'])})" if p["missing"] else ""
-        lines.append(f"  {p['name']:<{width}} {state:<10} {p['hazard']:<{hazard_width}} {p['target']}{lacks}")
+        lines.append(f"  {p['name']:<{width}} {check['status'].get(p['name'], '?')}")
     if info["other_threads"]:
         lines += [
             "",

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from threadgraph._patches import capture_guard as _capture_guard
 from threadgraph._patches import capture_lock as _capture_lock
 
 from threadgraph import _compat
@@ -38,6 +39,8 @@ from threadgraph._patches import gate_wrappers as _gate_wrappers
 
 from threadgraph._patches import generation as _generation
 
+from threadgraph._patches import verify as _verify
+
 from threadgraph._device import tls as _tls
 from threadgraph._errors import ThreadgraphWarning
 from threadgraph._device.gate import check_settings
@@ -52,11 +55,14 @@ PATCHES = [
     Patch("lazy_tls", f"{_TREES}:get_obj", "tls-assert", _tls.lazy_tls, applies=_compat.get_obj_asserts),
     Patch("worker_mark_step", f"{_TREES}:mark_step_begin", "global-generation", _generation.worker_mark_step),
     Patch("worker_generation", f"{_MANAGER}.get_curr_generation", "global-generation",
-          _generation.worker_curr_generation),
+          _generation.worker_curr_generation,
+          assumes=(f"{_MANAGER}.in_new_torch_compile_invocation", f"{_MANAGER}.can_start_new_generation",
+                   "torch._dynamo.mutation_guard:GenerationTracker")),
     Patch("worker_user_mark_step", f"{_MANAGER}.user_invoked_mark_step", "global-generation",
           _generation.worker_user_mark_step),
     Patch("worker_generation_bump", "torch._dynamo.eval_frame:install_generation_tagging_init",
-          "global-generation", _generation.worker_generation_bump),
+          "global-generation", None, replace=_generation.worker_generation_bump,
+          assumes=("torch._dynamo.mutation_guard:GenerationTracker",)),
     Patch("worker_run_only_generation", "torch._dynamo.eval_frame:RunOnlyContext.__init__", "global-generation",
           _generation.worker_run_only_generation, applies=_compat.dynamo_contexts_have_enter_hooks),
     Patch("worker_mark_step_reset", f"{_TREES}:reset_cudagraph_trees", "global-generation",
@@ -76,7 +82,7 @@ PATCHES = [
           _fx_flag.fx_trace_marks_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global() and _compat.dynamo_fx_tracing_check() is not None),
     Patch("fx_symbolic_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_symbolic_tracing",
-          "global-fx-tracing-flag", _fx_flag.fx_symbolic_tracing_in_this_thread,
+          "global-fx-tracing-flag", None, replace=_fx_flag.fx_symbolic_tracing_in_this_thread,
           applies=lambda: _compat.fx_tracing_flag_is_global()
           and _compat.dynamo_fx_tracing_check() == "is_fx_symbolic_tracing"),
     Patch("fx_tracing_per_thread", "torch.fx._symbolic_trace:is_fx_tracing", "global-fx-tracing-flag",
@@ -92,9 +98,11 @@ PATCHES = [
           None, applies=_compat.compile_session_flag_is_global,
           more_targets=lambda: ["torch.compiler:is_compiling.__code__"], replace=_compile_flag.replacement),
     Patch("fx_trace_window", "torch.fx._symbolic_trace:_new_patcher", "global-fx-patcher",
-          _fx_window.trace_window, applies=_compat.fx_patcher_is_global),
+          _fx_window.trace_window, applies=_compat.fx_patcher_is_global,
+          assumes=("torch._dynamo.convert_frame:compile_lock", "torch._dynamo.types:FrameExecStrategy",
+                   "torch._dynamo.types:ConvertFrameReturn", "torch.fx._symbolic_trace:Tracer.trace")),
     Patch("first_call_in_turn", "torch._dynamo.eval_frame:OptimizeContext.__call__", "concurrent-first-compile",
-          _first_call.first_call_in_turn),
+          _first_call.first_call_in_turn, assumes=("torch._dynamo.eval_frame:innermost_fn",)),
     Patch("inductor_backend_per_settings", "torch:_TorchCompileInductorWrapper", "concurrent-first-compile",
           None, replace=_first_call.one_backend_per_settings),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread",
@@ -120,13 +128,24 @@ PATCHES += [
     # The overloads' ``_op``, through a replacement that hashes as the original: overloads hash as
     # their ``_op``, and Inductor's lowering and decomposition tables are keyed by overloads.
     Patch("fence_rng_ops", _RNG_OP_TARGET, "device-wide-capture", None, more_targets=_rng_op_targets,
-          replace=_fence.fenced_op),
+          replace=_fence.fenced_op, assumes=("torch._ops:OpOverload.__hash__", "torch._ops:OpOverload.__call__")),
     Patch("fence_synchronize", "torch.cuda:synchronize", "device-wide-capture", None,
           replace=_fence.fenced_synchronize),
     Patch("capture_begin_exclusive", "torch.cuda.graphs:CUDAGraph.capture_begin", "device-wide-capture",
           _fence.capture_begin_exclusive),
     Patch("capture_end_exclusive", "torch.cuda.graphs:CUDAGraph.capture_end", "device-wide-capture",
           _fence.capture_end_exclusive),
+]
+
+_ACCELERATOR_GRAPH = "torch.accelerator:Graph"
+
+PATCHES += [
+    Patch("capture_failure_gives_gate_back", "torch.cuda.graphs:graph.__enter__", "device-wide-capture",
+          _capture_guard.enter_gives_gate_back),
+    Patch("accelerator_capture_begin_exclusive", f"{_ACCELERATOR_GRAPH}.capture_begin", "device-wide-capture",
+          _fence.capture_begin_exclusive, applies=lambda: _compat.accelerator_graph() is not None),
+    Patch("accelerator_capture_end_exclusive", f"{_ACCELERATOR_GRAPH}.capture_end", "device-wide-capture",
+          _fence.capture_end_exclusive, applies=lambda: _compat.accelerator_graph() is not None),
 ]
 
 FENCE_PATCHES = frozenset({"fence_rng", "fence_rng_ops", "fence_synchronize", "capture_begin_exclusive", "capture_end_exclusive"})
@@ -170,6 +189,8 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
     """
     check_settings()
     exclude = patch_names(exclude, "exclude") | _excluded_by_env()
+    if any(row["applies"] and not row["active"] and row["name"] not in exclude for row in _registry.describe()):
+        _verify.check(PATCHES, exclude)  # before anything is patched; nothing to check when nothing is new
     applied = _registry.install(exclude, also_missing=_compat.missing_required())
     if FENCE_PATCHES & set(applied):
         _compat.refresh_dynamo_rules()

@@ -113,14 +113,27 @@ def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     return in_turn(compiled, key, _describe(fn))
 
 
+class _Forgotten:
+    """How many times ``forget()`` cleared the turns: a wrapper that found its code settled remembers
+    the count it saw then, and looks in ``_done`` again once the count moved."""
+
+    count = 0
+
+
 def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
     is_tracing = _compat.is_dynamo_compiling
+    settled_at = [-1]  # _Forgotten.count when this wrapper last found its key settled
 
     @functools.wraps(compiled)
     def compiled_in_turn(*args: Any, **kwargs: Any) -> Any:
-        # Under Dynamo (a compiled caller inlining this one) the check folds to True.
-        # Inside its own FX trace a thread takes no turn: the call is inlined or refused upstream.
-        if is_tracing() or key in _done or tracing_here():
+        # Under Dynamo (a compiled caller inlining this one) the check folds to True. A settled code
+        # is remembered here: hashing its key (a code object) costs more than the rest of the check.
+        if is_tracing() or settled_at[0] == _Forgotten.count:
+            return compiled(*args, **kwargs)
+        if key in _done:
+            settled_at[0] = _Forgotten.count
+            return compiled(*args, **kwargs)
+        if tracing_here():  # inside its own FX trace a thread takes no turn: inlined or refused upstream
             return compiled(*args, **kwargs)
         return _take_turn(key, name, compiled, args, kwargs)
 
@@ -172,6 +185,7 @@ def forget() -> None:
     """Clear every turn (tests; after ``torch._dynamo.reset()`` the caches are empty again)."""
     _turns.clear()
     _done.clear()
+    _Forgotten.count += 1
     _local.__dict__.clear()
 
 

@@ -7,6 +7,7 @@ traces per thread and answer upstream's two questions from this thread's own cou
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -17,12 +18,28 @@ from threadgraph._per_thread import ThreadCount
 _fx_tracing = ThreadCount()  # FX traces the calling thread is inside
 
 
+class _OpenTraces:
+    """FX traces open in all threads together: while none is, no thread needs its own count read."""
+
+    count = 0
+    lock = threading.Lock()
+
+    def add(self, step: int) -> None:
+        with self.lock:
+            self.count += step
+
+
+_open = _OpenTraces()
+
+
 def fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    _open.add(1)
     _fx_tracing.value += 1
     try:
         return wrapped(*args, **kwargs)
     finally:
         _fx_tracing.value -= 1
+        _open.add(-1)
 
 
 # Upstream's rules, on this thread's own tracing instead of any thread's.
@@ -30,5 +47,14 @@ def fx_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwa
     return _fx_tracing.value > 0
 
 
-def fx_symbolic_tracing_in_this_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> bool:
-    return _fx_tracing.value > 0 and not torch.compiler.is_compiling()
+def fx_symbolic_tracing_in_this_thread(original: Callable[[], bool]) -> Callable[[], bool]:
+    """``Patch.replace`` of ``is_fx_symbolic_tracing``, which Dynamo asks on every call of a compiled
+    function: a plain function (a wrapt proxy costs about 1 us a call there) that reads this
+    thread's count only while some thread traces."""
+
+    def is_fx_symbolic_tracing() -> bool:
+        return _open.count > 0 and _fx_tracing.value > 0 and not torch.compiler.is_compiling()
+
+    is_fx_symbolic_tracing.__threadgraph_original__ = original  # type: ignore[attr-defined]
+    is_fx_symbolic_tracing.__wrapped__ = original  # type: ignore[attr-defined]
+    return is_fx_symbolic_tracing

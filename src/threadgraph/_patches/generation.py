@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from threadgraph import _compat
-from threadgraph._device.tls import current_worker, worker_for_current_thread
+from threadgraph._device.tls import bound, current_worker, worker_for_current_thread
 
 
 def worker_mark_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -45,10 +45,24 @@ def take_generation() -> None:
         state.generation = _compat.process_generation()
 
 
-def worker_generation_bump(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    take_generation()
-    return result
+def worker_generation_bump(original: Callable[[], None]) -> Callable[[], None]:
+    """``Patch.replace`` of ``install_generation_tagging_init``, which Dynamo calls on every entry
+    into a compiled frame: a plain function, not a wrapt proxy (which costs about 1 us a call there).
+    A thread bound to its worker reads it from a thread-local; the others ask the stash."""
+    tracker = _compat.generation_tracker()
+
+    def install_generation_tagging_init() -> None:
+        original()
+        state = bound.state
+        if state is None:
+            state = worker_for_current_thread()
+            if state is None:
+                return
+        state.generation = tracker.generation
+
+    install_generation_tagging_init.__threadgraph_original__ = original  # type: ignore[attr-defined]
+    install_generation_tagging_init.__wrapped__ = original  # type: ignore[attr-defined]
+    return install_generation_tagging_init
 
 
 def generation_taken_on_entry() -> Callable[[], None]:

@@ -40,6 +40,9 @@ class Patch:
     # Instead of a wrapt proxy, the object that replaces the original (for callables Dynamo must
     # inline, which it cannot do through a proxy): ``replace(original) -> replacement``.
     replace: Optional[Callable[[Any], Any]] = None
+    # Torch symbols the patch relies on besides its targets ("module:Owner.attribute"): install()
+    # checks them, as it checks the targets, against the verified releases (``verify``).
+    assumes: tuple = ()
 
     def targets(self) -> list[str]:
         return [self.target, *self.more_targets()]

@@ -226,7 +226,9 @@ class CompiledWorkerThread(threading.Thread):
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker; re-raise its exception as WorkerError (the original as cause).
-        Ctrl-C while waiting stops the worker, waits for it, and re-raises, as a group's join does."""
+        Still running after ``timeout`` seconds: TimeoutError naming what it is doing, the worker left
+        running (``stop()`` asks it to end), as a group's join raises. Ctrl-C while waiting stops the
+        worker, waits for it, and re-raises, as a group's join does."""
         try:
             super().join(timeout)
         except KeyboardInterrupt:
@@ -234,7 +236,8 @@ class CompiledWorkerThread(threading.Thread):
             wait_stopped([self], "interrupted")
             raise
         if self.is_alive():
-            return
+            raise TimeoutError(f"threadgraph: worker {_doing(self)} still running after {timeout} s; "
+                               "call stop() to ask it to end, or join() again to keep waiting")
         wait_for_thread_exit(self)
         if self._exception is not None:
             raise self.worker_error() from self._exception

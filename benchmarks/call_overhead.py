@@ -1,0 +1,160 @@
+"""What ``threadgraph.install()`` adds to every call of a small compiled function, on the CPU, patch by patch.
+
+    python -m benchmarks call-overhead [--reps 7] [--calls 5000] [--out-dir benchmarks/results]
+
+The main thread calls a tiny ``torch.compile``d function (``x * 2 + 1`` on a 4-element tensor,
+Inductor on the CPU) in a loop; nothing else runs. Variants, timed in turns within this one process
+(so a machine that speeds up or slows down weighs on all of them alike): no patches, every patch,
+and every patch that applies on this torch alone, each with its own copy of the function; each round times each single patch ``--reps``
+times in all, each time between a timing of no patches and one of every patch. Before each timing the
+variant's patches are put in place and its copy is compiled (its first call compiles it, once
+per process), then called ``--calls`` times. Prints, and with ``--out-dir`` writes, the median
+per-call time of each variant, its cost over no patches (us) and its ratio to no patches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+import threadgraph  # noqa: E402
+
+THEME = "call-overhead"
+
+
+def tiny(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def own_copy(index: int) -> Callable:
+    """``tiny`` with a code object of its own: Dynamo caches compiled code per code object, so each
+    variant compiles its copy once, under its own patches, and never meets another variant's entries."""
+    return types.FunctionType(tiny.__code__.replace(co_name=f"tiny_{index}"), tiny.__globals__, f"tiny_{index}")
+
+
+def time_calls(compiled, x: torch.Tensor, calls: int) -> float:
+    """CPU seconds of this thread per call of ``compiled(x)``, over ``calls`` calls: time the thread
+    spent descheduled on a busy machine is not counted."""
+    started = time.thread_time()
+    for _ in range(calls):
+        compiled(x)
+    return (time.thread_time() - started) / calls
+
+
+def applying() -> list[str]:
+    """The patches install() applies on this torch."""
+    return [p["name"] for p in threadgraph.patches() if p["applies"]]
+
+
+def variants(names: list[str]) -> dict[str, frozenset]:
+    """Variant name -> the patches to leave out of install() (None: no install at all)."""
+    every = frozenset(names)
+    table: dict = {"none": None, "all": frozenset()}
+    for name in names:
+        table[f"only {name}"] = every - {name}
+    return table
+
+
+def set_variant(exclude) -> None:
+    threadgraph.uninstall()
+    if exclude is not None:
+        threadgraph.install(exclude=exclude)
+
+
+def measure(reps: int, calls: int) -> dict:
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    names = applying()
+    table = variants(names)
+    x = torch.ones(4)
+    times: dict[str, list[float]] = {name: [] for name in table}
+    recompiles_before = None
+    functions = {name: own_copy(index) for index, name in enumerate(table)}
+    singles = [name for name in table if name not in ("none", "all")]
+    for rep in range(reps):
+        # Each single patch is timed between a timing of none and one of all, so the two ends of
+        # the comparison are sampled all through the run, not once a round.
+        for name in [step for single in singles for step in ("none", "all", single)]:
+            exclude = table[name]
+            set_variant(exclude)
+            compiled = torch.compile(functions[name])
+            for _ in range(20):  # the first call compiles (once per process) and settles first_call's turn
+                compiled(x)
+            if recompiles_before is None:
+                recompiles_before = frames_compiled()
+            times[name].append(time_calls(compiled, x, calls))
+        print(f"  round {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    threadgraph.uninstall()
+    base = statistics.median(times["none"])
+    rows = []
+    for name in table:
+        median = statistics.median(times[name])
+        rows.append({"variant": name, "per_call_us": round(median * 1e6, 3),
+                     "over_none_us": round((median - base) * 1e6, 3), "ratio_to_none": round(median / base, 4)})
+    return {"patches": names, "rows": rows, "frames_compiled_after_first_warmup": frames_compiled() - recompiles_before}
+
+
+def frames_compiled() -> int:
+    """Dynamo's count of frames it compiled in this process (a recompile would show here)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values()) if "frames" in counters else 0
+
+
+def environment() -> dict:
+    return {"gpu": None, "gpus": 0, "torch": torch.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(), "processor": platform.processor()}
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"# call-overhead: install() on a tiny compiled function (CPU, torch {env['torch']})", "",
+             f"- Python {env['python']}, {env['cpus']} CPUs, {env['date']}",
+             f"- per-call CPU time of this thread, median of {result['args']['reps']} timings of {result['args']['calls']} "
+             "calls per single patch (none and all: one timing beside each single patch's), all in one run",
+             f"- frames Dynamo compiled after the first warm-up (a recompile shows here): {result['frames_compiled_after_first_warmup']}", "",
+             "| variant | per call (us) | over none (us) | ratio to none |", "|---|---:|---:|---:|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['variant']} | {row['per_call_us']:.3f} | {row['over_none_us']:+.3f} | "
+                     f"{row['ratio_to_none']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timings per variant (the median is reported)")
+    parser.add_argument("--calls", type=int, default=5000, help="calls per timing")
+    parser.add_argument("--out-dir", help="write <theme>_cpu_torch<version>_<date>.json and .md here")
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.calls < 1:
+        print("call-overhead: --reps and --calls must be at least 1", file=sys.stderr)
+        return 2
+    result = {"env": environment(), "args": {"reps": args.reps, "calls": args.calls}}
+    result |= measure(args.reps, args.calls)
+    text = markdown(result)
+    print(text)
+    if args.out_dir:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"{THEME}_cpu_torch{torch.__version__.split('+')[0]}_{result['env']['date']}"
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(text)
+        print(f"wrote {out / stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
