@@ -60,13 +60,21 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
         raise DataError(f"data file {path} {problem}; pass a JSONL file ({_FORMATS})")
     lines = _count_lines(path)
     logger.info("tokenizing %d lines of %s", lines, path)
-    try:
-        with path.open(encoding="utf-8") as text:
-            return tokenize_lines(text, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
-                                  vocab_size=vocab_size, pad_id=pad_id, total_lines=lines)
-    except UnicodeDecodeError as err:
-        raise DataError(f"data file {path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a JSONL "
-                        f"file ({_FORMATS})") from None
+    with path.open("rb") as raw:
+        return tokenize_lines(_utf8_lines(raw, path), source=str(path), tokenizer=tokenizer, seq_len=seq_len,
+                              vocab_size=vocab_size, pad_id=pad_id, total_lines=lines)
+
+
+def _utf8_lines(raw: Iterable[bytes], path: Path) -> Iterable[str]:
+    """The file's lines decoded one by one, so a bad byte is named by its line and its offset in the file."""
+    offset = 0
+    for lineno, line in enumerate(raw, start=1):
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"data file {path} is not UTF-8 text (line {lineno}, byte {offset + err.start} of the "
+                            f"file: {err.reason}); pass a JSONL file ({_FORMATS})") from None
+        offset += len(line)
 
 
 def _count_lines(path: Path) -> int:
