@@ -20,7 +20,7 @@ import typing
 
 from threadgraph import WorkerError, check_settings
 
-from .config import CHOICES, TrainConfig
+from .config import CHOICES, DATA_GROUP, TrainConfig
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .run.metrics import format_phases
 from .run.result import RunResult
@@ -30,15 +30,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
+    groups = {DATA_GROUP: parser.add_argument_group(DATA_GROUP)}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
+        where = groups.get(field.metadata.get("group"), parser)
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=field.default)
+            where.add_argument(flag, action="store_true", default=field.default, help=field.metadata.get("help"))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
-                            help=_help(field))
+        where.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
+                           help=_help(field))
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
