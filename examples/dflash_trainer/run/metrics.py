@@ -44,10 +44,15 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self.ms: dict[str, list[float]] = collections.defaultdict(list)
+        self.step_ms: list[float] = []  # from each step's begin() to the next's: the worker's step time
         self._last = 0.0
+        self._began: Optional[float] = None
 
     def begin(self) -> None:
         self._last = time.perf_counter()
+        if self._began is not None:
+            self.step_ms.append((self._last - self._began) * 1000)
+        self._began = self._last
 
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
