@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         where.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
                            help=_help(field))
+    groups[DATA_GROUP].add_argument("--config", metavar="FILE", help=(
+        "flags from a .toml or .yaml file (keys = the flags); flags given here override it; the run's settings "
+        "are saved as OUT/config.toml, which --resume reads again"))
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
@@ -52,8 +55,32 @@ def _help(field: dataclasses.Field) -> str:
     return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
 
 
+def parse_flags(argv: list[str] | None) -> dict:
+    """The parsed flags over the defaults of ``--config FILE``, or with ``--resume`` of the run's saved
+    settings (OUT/config.toml) where there are some."""
+    from .run import config_file
+
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    path = args["config"]
+    if path is None and args["resume"]:
+        saved = os.path.join(args["out_dir"], config_file.SAVED)
+        path = saved if os.path.isfile(saved) else None
+        if path is not None:
+            print(f"dflash: --resume: using the settings saved in {saved}", file=sys.stderr)
+    if path is not None:
+        parser.set_defaults(**config_file.load(path))
+        args = vars(parser.parse_args(argv))
+    args.pop("config")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(_parser().parse_args(argv))
+    try:
+        args = parse_flags(argv)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     as_json, debug = args.pop("json"), args.pop("debug")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself

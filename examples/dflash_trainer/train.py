@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import threadgraph
 
 from . import distributed
-from .run import outdir
+from .run import config_file, outdir
 from .channel import ChannelClosed
 from .config import TrainConfig
 from .drafter.replica import SharedDrafterWeights
@@ -78,6 +78,8 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
     handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
     leader = parts.rank == 0
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
+    if leader:
+        config_file.write(config, config.out_dir)  # what --resume reads again
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
     # Drafters on one device share one copy of the weights; the first of them steps it.
     owners = placement.owners
