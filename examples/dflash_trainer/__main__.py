@@ -21,7 +21,7 @@ import typing
 from threadgraph import WorkerError, check_settings
 
 from .config import CHOICES, DATA_GROUP, TrainConfig
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, bad_input_behind
 from .run.metrics import format_phases
 from .run.result import RunResult
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         if debug:
             traceback.print_exc()
-        bad = _bad_input(err)
+        bad = bad_input_behind(err)
         if bad is not None:
             print(f"error: {bad}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -182,17 +182,6 @@ def _resume_hint(config: TrainConfig) -> str:
     except (CheckpointError, OSError):  # a damaged one: --resume names the nearest good one itself
         return "; its checkpoints need a look before --resume"
     return "" if latest is None else f"; the last checkpoint is {latest}: fix the cause and continue with --resume"
-
-
-def _bad_input(err: BaseException) -> BadInput | None:
-    """The BadInput behind ``err`` (also when a worker thread raised it), or None."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, BadInput):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
 
 
 def _print_summary(r: RunResult) -> None:

@@ -29,7 +29,7 @@ import torch
 import threadgraph
 
 from .data_chat import THINK_CLOSE, THINK_OPEN
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, InputError
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, InputError, bad_input_behind
 from .regenerate_io import Output, Prompt, read_prompts
 
 log = logging.getLogger("dflash")
@@ -160,8 +160,8 @@ def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: O
     models = {d: TargetModel.from_pretrained(target, num_feature_layers=1, device=d,
                                              dtype=torch.bfloat16 if d.startswith("cuda") else None) for d in devices}
     tokenizer = next(iter(models.values())).tokenizer
-    longest = max(len(render(tokenizer, prompts[i], settings.get("reasoning", "keep"))) for i in pending)
     config = Settings(compiled=compiled, **settings)
+    longest = max(len(render(tokenizer, prompts[i], config.reasoning)) for i in pending)
     config = dataclasses.replace(config, max_cache_len=longest + config.max_new_tokens)
     work: "queue.Queue[int]" = queue.Queue()
     for index in pending:
@@ -216,16 +216,6 @@ def _checked(args: argparse.Namespace) -> None:
         raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def _bad_input(err: BaseException) -> Optional[BadInput]:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, BadInput):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
@@ -244,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             import traceback
 
             traceback.print_exc()
-        bad = _bad_input(err)
+        bad = bad_input_behind(err)
         if bad is not None:
             print(f"error: {bad}", file=sys.stderr)
             return EXIT_BAD_INPUT
