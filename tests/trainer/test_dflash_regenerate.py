@@ -116,3 +116,33 @@ def test_reasoning_drop_turns_thinking_off_and_cuts_a_think_block():
     ids = tokenizer.encode("<think>\nsum\n</think>\n\nfour<|im_end|>more", add_special_tokens=False)
     assert regen.response_text(tokenizer, ids, "keep") == "<think>\nsum\n</think>\n\nfour"
     assert regen.response_text(tokenizer, ids, "drop") == "four"
+
+
+def test_the_static_cache_of_a_compiled_run_generates_what_the_eager_path_does(tiny_assets, tmp_path):
+    """The GPU path's generate() arguments (a StaticCache of the thread's own, the reduce-overhead
+    compile config), run here on the CPU, where transformers does not compile: the same greedy records."""
+    import queue
+
+    from examples.dflash_trainer.regenerate_io import Output
+    from examples.dflash_trainer.target import TargetModel
+
+    prompts_file = _prompts(tmp_path / "p.jsonl", 4)
+    eager = tmp_path / "eager.jsonl"
+    regen.regenerate(str(tiny_assets.target_dir), str(prompts_file), str(eager), threads=1, devices=["cpu"],
+                     progress=False, max_new_tokens=10)
+    target = TargetModel.from_pretrained(tiny_assets.target_dir, num_feature_layers=1, device="cpu")
+    prompts = read_prompts(prompts_file)
+    longest = max(len(regen.render(target.tokenizer, p, "keep")) for p in prompts)
+    work = queue.Queue()
+    for p in prompts:
+        work.put(p.index)
+    static = tmp_path / "static.jsonl"
+    output = Output(static, prompts)
+    worker = regen.RequestWorker(0, "cpu", model=target.model, tokenizer=target.tokenizer, prompts=prompts, work=work,
+                                 output=output, settings=regen.Settings(max_new_tokens=10, compiled=True,
+                                                                        max_cache_len=longest + 10), progress=None)
+    worker.setup()
+    while not worker.stopping:  # the worker's own steps, in this thread
+        worker.step()
+    output.close()
+    assert _records(static) == _records(eager)
