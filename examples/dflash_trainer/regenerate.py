@@ -102,10 +102,14 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
 
     def setup(self) -> None:
         if self.settings.compiled:  # built here, one worker at a time (the group's setup turn), not raced
-            from transformers import CompileConfig
+            from transformers import CompileConfig, StaticCache
 
             self.compile_config = CompileConfig(mode="reduce-overhead", fullgraph=False)
             self.model.get_compiled_call(self.compile_config)
+            # This thread's own KV cache, reset and reused by every request: its tensors keep their
+            # addresses, so the recorded graphs replay instead of recording again for a new cache.
+            config = self.model.config.get_text_config(decoder=True)
+            self.cache = StaticCache(config=config, max_cache_len=self.settings.max_cache_len)
 
     def step(self) -> None:
         try:
@@ -130,11 +134,9 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
                                   if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id}
         kwargs.update({"do_sample": True, "temperature": s.temperature, "top_p": s.top_p} if s.temperature > 0
                       else {"do_sample": False})
-        if s.compiled:  # a cache of this thread's own (a cache the model kept would be shared by the threads)
-            from transformers import StaticCache
-
-            config = self.model.config.get_text_config(decoder=True)
-            kwargs["cache"] = StaticCache(config=config, max_cache_len=s.max_cache_len)
+        if s.compiled:  # the thread's own cache (one the model kept would be shared by the threads)
+            self.cache.reset()
+            kwargs["cache"] = self.cache
             kwargs["compile_config"] = self.compile_config
         return kwargs
 

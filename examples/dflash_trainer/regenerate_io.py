@@ -110,6 +110,7 @@ class Output:
         if self.path.is_file():
             self._resume(prompts)
         self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")
 
     def _resume(self, prompts: list[Prompt]) -> None:

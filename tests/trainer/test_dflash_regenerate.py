@@ -119,8 +119,9 @@ def test_reasoning_drop_turns_thinking_off_and_cuts_a_think_block():
 
 
 def test_the_static_cache_of_a_compiled_run_generates_what_the_eager_path_does(tiny_assets, tmp_path):
-    """The GPU path's generate() arguments (a StaticCache of the thread's own, the reduce-overhead
-    compile config), run here on the CPU, where transformers does not compile: the same greedy records."""
+    """The GPU path's generate() arguments (the thread's own StaticCache, reset and reused by every
+    request, the reduce-overhead compile config), run here on the CPU, where transformers does not
+    compile: the same greedy records."""
     import queue
 
     from examples.dflash_trainer.regenerate_io import Output
