@@ -147,3 +147,15 @@ def test_the_static_cache_of_a_compiled_run_generates_what_the_eager_path_does(t
         worker.step()
     output.close()
     assert _records(static) == _records(eager)
+
+
+@pytest.mark.gpu
+def test_request_threads_regenerate_with_reduce_overhead_decoding_on_a_gpu(tiny_assets, tmp_path):
+    prompts, out = _prompts(tmp_path / "p.jsonl", 12), tmp_path / "out.jsonl"
+    counts = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cuda:0"],
+                              compile="reduce-overhead", progress=False, max_new_tokens=16)
+    assert counts["generated"] == 12 and counts["tokens"] > 0
+    assert sorted(r["index"] for r in _records(out)) == list(range(12))
+    again = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cuda:0"],
+                             compile="reduce-overhead", progress=False, max_new_tokens=16)
+    assert again["generated"] == 0 and again["before"] == 12
