@@ -10,7 +10,7 @@ from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
 from examples.dflash_trainer.run import config_file
 
-from tests.helpers.tiny_run import TINY, tiny_cli
+from tests.helpers.tiny_run import TINY
 
 pytestmark = pytest.mark.timeout(300)
 

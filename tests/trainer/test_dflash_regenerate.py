@@ -112,7 +112,8 @@ def test_reasoning_drop_turns_thinking_off_and_cuts_a_think_block():
     prompt = Prompt(0, ({"role": "user", "content": "What is two plus two?"},), as_prompt=True)
     kept = tokenizer.decode(regen.render(tokenizer, prompt, "keep"))
     dropped = tokenizer.decode(regen.render(tokenizer, prompt, "drop"))
-    assert kept.endswith("<|im_start|>assistant\n") and dropped.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert kept.endswith("<|im_start|>assistant\n")
+    assert dropped.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     ids = tokenizer.encode("<think>\nsum\n</think>\n\nfour<|im_end|>more", add_special_tokens=False)
     assert regen.response_text(tokenizer, ids, "keep") == "<think>\nsum\n</think>\n\nfour"
     assert regen.response_text(tokenizer, ids, "drop") == "four"

@@ -206,7 +206,8 @@ def _fix(root: Path, bad: Optional[Path] = None) -> str:
                 "this one)")
     pointer = root / LATEST
     aside = f"mv {pointer} {pointer}.moved && " if pointer.exists() and not pointer.is_file() else ""
-    return f"the nearest good checkpoint is {good}: resume from it with `{aside}echo {good.name} > {pointer}` and --resume"
+    return (f"the nearest good checkpoint is {good}: resume from it with `{aside}echo {good.name} > {pointer}` "
+            f"and --resume")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

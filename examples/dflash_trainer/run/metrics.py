@@ -22,7 +22,8 @@ import torch
 
 from .checkpoint import step_directories
 
-__all__ = ["HISTORY_ROWS", "LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog", "format_phases"]
+__all__ = ["HISTORY_ROWS", "LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog",
+           "format_phases"]
 
 LOG_EVERY = 10  # drafter steps per log line and tokens/s window; the first window holds warmup
 # Rows of a replica's metrics history, a ring (step s in row (s - 1) % rows): the log reads it at
