@@ -20,8 +20,8 @@ import typing
 
 from threadgraph import WorkerError, check_settings
 
-from .config import CHOICES, TrainConfig
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
+from .config import CHOICES, DATA_GROUP, TrainConfig
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, bad_input_behind
 from .run.metrics import format_phases
 from .run.result import RunResult
 
@@ -30,15 +30,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
+    groups = {DATA_GROUP: parser.add_argument_group(DATA_GROUP)}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
+        where = groups.get(field.metadata.get("group"), parser)
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=field.default)
+            where.add_argument(flag, action="store_true", default=field.default, help=field.metadata.get("help"))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
-                            help=_help(field))
+        where.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
+                           help=_help(field))
+    groups[DATA_GROUP].add_argument("--config", metavar="FILE", help=(
+        "flags from a .toml or .yaml file (keys = the flags); flags given here override it; the run's settings "
+        "are saved as OUT/config.toml, which --resume reads again"))
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
@@ -50,8 +55,32 @@ def _help(field: dataclasses.Field) -> str:
     return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
 
 
+def parse_flags(argv: list[str] | None) -> dict:
+    """The parsed flags over the defaults of ``--config FILE``, or with ``--resume`` of the run's saved
+    settings (OUT/config.toml) where there are some."""
+    from .run import config_file
+
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    path = args["config"]
+    if path is None and args["resume"]:
+        saved = os.path.join(args["out_dir"], config_file.SAVED)
+        path = saved if os.path.isfile(saved) else None
+        if path is not None:
+            print(f"dflash: --resume: using the settings saved in {saved}", file=sys.stderr)
+    if path is not None:
+        parser.set_defaults(**config_file.load(path))
+        args = vars(parser.parse_args(argv))
+    args.pop("config")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(_parser().parse_args(argv))
+    try:
+        args = parse_flags(argv)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     as_json, debug = args.pop("json"), args.pop("debug")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
@@ -125,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         if debug:
             traceback.print_exc()
-        bad = _bad_input(err)
+        bad = bad_input_behind(err)
         if bad is not None:
             print(f"error: {bad}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -153,17 +182,6 @@ def _resume_hint(config: TrainConfig) -> str:
     except (CheckpointError, OSError):  # a damaged one: --resume names the nearest good one itself
         return "; its checkpoints need a look before --resume"
     return "" if latest is None else f"; the last checkpoint is {latest}: fix the cause and continue with --resume"
-
-
-def _bad_input(err: BaseException) -> BadInput | None:
-    """The BadInput behind ``err`` (also when a worker thread raised it), or None."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, BadInput):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
 
 
 def _print_summary(r: RunResult) -> None:

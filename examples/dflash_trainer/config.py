@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assets.shapes import SHAPES
+from .data_chat import REASONING
 
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -20,7 +21,8 @@ _DTYPES = ("auto", "float32", "bfloat16")
 _CUDA_GRAPHS = ("trees", "whole-step")
 _TARGET_SHAPES = tuple(SHAPES)
 CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS,
-           "target_shape": _TARGET_SHAPES}  # for the CLI
+           "target_shape": _TARGET_SHAPES, "reasoning": REASONING}  # for the CLI
+DATA_GROUP = "data and logs"  # the CLI's group of the fields in it
 
 
 @dataclass
@@ -80,6 +82,17 @@ class TrainConfig:
     # barrier) before the job fails naming the ranks that stopped making progress (NCCL and gloo).
     collective_timeout_s: float = 600.0
 
+    # Data and run logs: chat reasoning, the token cache, TensorBoard (the CLI's "data and logs" group).
+    reasoning: str = dataclasses.field(default="train", metadata={"group": DATA_GROUP, "help": (
+        "reasoning (<think> blocks) of assistant turns: train on it, keep it as context only, or drop it")})
+    data_cache: str | None = dataclasses.field(default=None, metadata={"group": DATA_GROUP, "help": (
+        "directory of the tokenized-data cache, keyed by tokenizer, data and settings (None: dflash-data in "
+        "the threadgraph cache)")})
+    no_data_cache: bool = dataclasses.field(default=False, metadata={"group": DATA_GROUP, "help": (
+        "tokenize --data at every start, reading and writing no cache")})
+    tensorboard: str | None = dataclasses.field(default=None, metadata={"group": DATA_GROUP, "help": (
+        "write TensorBoard events (loss, accuracy, tau, learning rate, tokens/s, each worker's step time) to DIR")})
+
     def __post_init__(self) -> None:
         for name in ("targets", "drafters", "seq_len", "num_anchors", "num_draft_layers",
                      "batch_size", "epochs", "eval_prompts", "eval_max_new_tokens",
@@ -136,6 +149,16 @@ class TrainConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"out_dir must be a non-empty path, got {self.out_dir!r}")
         self.device_list  # validates the comma list
+        self._check_data_and_logs()
+
+    def _check_data_and_logs(self) -> None:
+        _check_choice("reasoning", self.reasoning, REASONING)
+        if not isinstance(self.no_data_cache, bool):
+            raise ValueError(f"no_data_cache must be true or false, got {self.no_data_cache!r}")
+        for name in ("data_cache", "tensorboard"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty path or None, got {value!r}")
 
     @property
     def num_feature_layers(self) -> int:

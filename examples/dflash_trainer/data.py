@@ -3,10 +3,10 @@
 Accepted line formats (one JSON object per line; blank lines are ignored):
 
 - {"input_ids": [int, ...], "loss_mask": [0/1, ...]}: pre-tokenised, used as is.
-- {"messages": [{"role": str, "content": str}, ...]}: loss on the assistant turns' content. With
-  a tokenizer chat template the conversation is rendered by the template and the assistant
-  contents are located in the rendering; without one it is rendered as "role: content\\n" per
-  turn, with the loss on "content\\n" of assistant turns (not on the "assistant: " prefix).
+- {"messages": [{"role": str, "content": str, "reasoning_content": str (optional)}, ...]}: loss on
+  the assistant turns only, rendered by the tokenizer's chat template; reasoning (``<think>`` blocks)
+  trained on, kept as context or dropped by ``reasoning`` (data_chat); a tokenizer without a template
+  renders "role: content\\n" per turn, the loss on the assistant's content, not its "assistant: " prefix.
 - {"prompt": str, "response": str}: the same as messages [user: prompt, assistant: response].
 
 Samples are truncated/padded to seq_len (pad id = tokenizer pad, else eos, else 0; loss_mask 0).
@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .data_chat import REASONING, plain_segments, template_segments
 from .errors import BadInput
 from .drafter.loss import anchor_scores
 
@@ -51,7 +52,7 @@ class TokenData:
 
 
 def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: int | None = None,
-               pad_id: int | None = None) -> TokenData:
+               pad_id: int | None = None, reasoning: str = "train") -> TokenData:
     """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
     path = Path(path)
     if not path.is_file():
@@ -60,13 +61,21 @@ def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: in
         raise DataError(f"data file {path} {problem}; pass a JSONL file ({_FORMATS})")
     lines = _count_lines(path)
     logger.info("tokenizing %d lines of %s", lines, path)
-    try:
-        with path.open(encoding="utf-8") as text:
-            return tokenize_lines(text, source=str(path), tokenizer=tokenizer, seq_len=seq_len,
-                                  vocab_size=vocab_size, pad_id=pad_id, total_lines=lines)
-    except UnicodeDecodeError as err:
-        raise DataError(f"data file {path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a JSONL "
-                        f"file ({_FORMATS})") from None
+    with path.open("rb") as raw:
+        return tokenize_lines(_utf8_lines(raw, path), source=str(path), tokenizer=tokenizer, seq_len=seq_len,
+                              vocab_size=vocab_size, pad_id=pad_id, total_lines=lines, reasoning=reasoning)
+
+
+def _utf8_lines(raw: Iterable[bytes], path: Path) -> Iterable[str]:
+    """The file's lines decoded one by one, so a bad byte is named by its line and its offset in the file."""
+    offset = 0
+    for lineno, line in enumerate(raw, start=1):
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"data file {path} is not UTF-8 text (line {lineno}, byte {offset + err.start} of the "
+                            f"file: {err.reason}); pass a JSONL file ({_FORMATS})") from None
+        offset += len(line)
 
 
 def _count_lines(path: Path) -> int:
@@ -81,9 +90,11 @@ def _count_lines(path: Path) -> int:
 
 def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len: int,
                    vocab_size: int | None = None, pad_id: int | None = None,
-                   total_lines: int | None = None) -> TokenData:
+                   total_lines: int | None = None, reasoning: str = "train") -> TokenData:
     """Tokenise JSONL lines (from a file or embedded data); `source` names them in errors, and
-    `total_lines`, where known, in the progress lines."""
+    `total_lines`, where known, in the progress lines; `reasoning`: see data_chat."""
+    if reasoning not in REASONING:
+        raise ValueError(f"reasoning must be one of {list(REASONING)}, got {reasoning!r}")
     if vocab_size is None and tokenizer is not None:
         vocab_size = len(tokenizer)
     if pad_id is None:
@@ -100,7 +111,7 @@ def tokenize_lines(lines: Iterable[str], *, source: str, tokenizer: Any, seq_len
             continue
         total += 1
         where = f"{source}:{lineno}"
-        ids, mask = _parse_line(text, where, tokenizer, vocab_size, seq_len)
+        ids, mask = _parse_line(text, where, tokenizer, vocab_size, seq_len, reasoning)
         ids, mask = ids[:seq_len], mask[:seq_len]
         if not any(a and b for a, b in zip(mask, mask[1:])):
             continue  # no anchor possible: nothing to learn from this sample
@@ -137,8 +148,8 @@ def _default_pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def _parse_line(text: str, where: str, tokenizer: Any,
-                vocab_size: int | None, seq_len: int) -> tuple[list[int], list[int]]:
+def _parse_line(text: str, where: str, tokenizer: Any, vocab_size: int | None, seq_len: int,
+                reasoning: str) -> tuple[list[int], list[int]]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
@@ -150,14 +161,14 @@ def _parse_line(text: str, where: str, tokenizer: Any,
     if "input_ids" in record:
         ids, mask = _pretokenized(record, where)
     elif "messages" in record:
-        ids, mask = _encode(_messages(record["messages"], where), where, tokenizer, seq_len)
+        ids, mask = _encode(_messages(record["messages"], where), where, tokenizer, seq_len, reasoning)
     elif "prompt" in record or "response" in record:
         for key in ("prompt", "response"):
             if not isinstance(record.get(key), str):
                 raise DataError(f"{where}: {key!r} must be a string; use {_FORMATS}")
         turns = [{"role": "user", "content": record["prompt"]},
                  {"role": "assistant", "content": record["response"]}]
-        ids, mask = _encode(turns, where, tokenizer, seq_len)
+        ids, mask = _encode(turns, where, tokenizer, seq_len, reasoning)
     else:
         raise DataError(f"{where}: unknown record with keys {sorted(record)}; use {_FORMATS}")
     limit = vocab_size if vocab_size is not None else float("inf")
@@ -194,13 +205,16 @@ def _messages(messages: Any, where: str) -> list[dict]:
                 and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and "
                             f"'content'")
+        if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
+            raise DataError(f"{where}: messages[{i}].reasoning_content must be a string when given")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: 'messages' has no assistant turn, so nothing to train on; add "
                         f"one or drop the line")
     return messages
 
 
-def _encode(messages: list[dict], where: str, tokenizer: Any, limit: int) -> tuple[list[int], list[int]]:
+def _encode(messages: list[dict], where: str, tokenizer: Any, limit: int,
+            reasoning: str) -> tuple[list[int], list[int]]:
     """The record's tokens and loss mask, ``limit`` tokens at most. Only a prefix of each text is
     tokenised: enough characters for the tokens still wanted (no token is longer than the
     vocabulary's longest), so a huge record costs what its first ``limit`` tokens cost."""
@@ -210,7 +224,7 @@ def _encode(messages: list[dict], where: str, tokenizer: Any, limit: int) -> tup
     ids: list[int] = []
     mask: list[int] = []
     longest = _longest_token_chars(tokenizer)
-    for text, is_loss in _segments(messages, where, tokenizer):
+    for text, is_loss in _segments(messages, where, tokenizer, reasoning):
         wanted = limit - len(ids)
         if wanted <= 0:
             break
@@ -237,32 +251,19 @@ def _longest_token_chars(tokenizer: Any) -> int:
     return found
 
 
-def _segments(messages: list[dict], where: str, tokenizer: Any) -> list[tuple[str, bool]]:
-    """Split the rendered conversation into (text, is_loss) pieces, tokenised piece by piece."""
+def _segments(messages: list[dict], where: str, tokenizer: Any, reasoning: str) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is_loss) pieces, tokenised piece by piece (data_chat)."""
     if not getattr(tokenizer, "chat_template", None):
-        out = []
-        for m in messages:
-            out += [(f"{m['role']}: ", False), (m["content"] + "\n", m["role"] == "assistant")]
-        return out
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
-    out, cursor = [], 0
-    # Walk every turn in order so an assistant text repeated in an earlier turn is not matched.
-    for i, m in enumerate(messages):
-        content = m["content"]
-        start = rendered.find(content, cursor)
-        if start < 0 and content.strip():  # templates often strip surrounding whitespace
-            content = content.strip()
-            start = rendered.find(content, cursor)
-        if start < 0:
-            if m["role"] == "assistant":
-                raise DataError(f"{where}: assistant messages[{i}] does not appear verbatim in the "
-                                f"chat-template rendering; pre-tokenise to input_ids/loss_mask")
-            continue
-        is_loss = m["role"] == "assistant"
-        out += [(rendered[cursor:start], False), (content, is_loss)]
-        cursor = start + len(content)
-    out.append((rendered[cursor:], False))
-    return out
+        return plain_segments(messages, reasoning)
+    try:
+        pieces, missing = template_segments(messages, tokenizer, reasoning)
+    except Exception as err:  # jinja's errors, and the template's own raise_exception
+        raise DataError(f"{where}: the tokenizer's chat template refused the messages ({type(err).__name__}: "
+                        f"{err}); fix the record or pre-tokenise it to input_ids/loss_mask") from None
+    if missing >= 0:
+        raise DataError(f"{where}: assistant messages[{missing}] does not appear verbatim in the chat-template "
+                        f"rendering; pre-tokenise to input_ids/loss_mask")
+    return pieces
 
 
 class SampleStream:

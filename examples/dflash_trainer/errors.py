@@ -21,3 +21,14 @@ class MissingInput(BadInput, FileNotFoundError):
 
 class InputError(BadInput, ValueError):
     """A bad flag value found after the config was built (the config's own checks raise ValueError)."""
+
+
+def bad_input_behind(err: BaseException) -> "BadInput | None":
+    """The BadInput behind ``err`` (also when a worker thread raised it and another error wraps it), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, BadInput):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

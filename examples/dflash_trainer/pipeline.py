@@ -22,7 +22,8 @@ from . import distributed
 from .assets import sizes
 from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
-from .data import ShardBatches, TokenData, read_jsonl
+from .data import ShardBatches, TokenData
+from .data_cache import data_cache_dir, read_cached
 from .errors import InputError
 from .eval import Evaluator, held_out_prompts
 from .run.metrics import MetricsLogger, TrainingLog
@@ -96,7 +97,8 @@ class Pipeline:
         shape = source.shape()
         num_params = sum(p.numel() for p in shape.model.parameters())
         sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
-        data = read_jsonl(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size)
+        data = read_cached(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size,
+                           reasoning=config.reasoning, cache_dir=data_cache_dir(config))
         rank, world = distributed.rank_and_world()
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import threadgraph
 
 from . import distributed
-from .run import outdir
+from .run import config_file, outdir
 from .channel import ChannelClosed
 from .config import TrainConfig
 from .drafter.replica import SharedDrafterWeights
@@ -27,6 +27,7 @@ from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
 from .run.startup import StartupMonitor, past_startup
+from .run.tensorboard import TensorBoardLog
 from .run.warmers import CompileWarmers, WarmerWait, cache_counts
 from .workers import DrafterWorker, TargetWorker
 
@@ -77,6 +78,8 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
     handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
     leader = parts.rank == 0
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
+    if leader:
+        config_file.write(config, config.out_dir)  # what --resume reads again
     watchdog = distributed.Watchdog(config.collective_timeout_s) if parts.world > 1 else None
     # Drafters on one device share one copy of the weights; the first of them steps it.
     owners = placement.owners
@@ -85,7 +88,9 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
     if leader and parts.start_step:
         outdir.cut_metrics(Path(config.out_dir) / outdir.METRICS, parts.start_step)
     metrics = MetricsLogger(Path(config.out_dir) / outdir.METRICS) if leader else None
-    lead = Lead(parts.training_log(metrics, progress), control=control, start_step=parts.start_step,
+    board = TensorBoardLog(config.tensorboard, workers=lambda: group.workers) if leader and config.tensorboard else None
+    lead = Lead(parts.training_log(metrics, board.chain(progress) if board else progress), control=control,
+                start_step=parts.start_step,
                 evaluator=parts.evaluator if leader and config.eval_every else None, eval_every=config.eval_every,
                 checkpointer=parts.checkpointer if leader and not config.no_checkpoints else None,
                 checkpoint_every=config.checkpoint_every,
@@ -142,6 +147,8 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
             watchdog.close()
         if metrics is not None:
             metrics.close()
+        if board is not None:
+            board.close()
         distributed.shutdown(finished or control.stopped_at is not None)
     if control.stopped_at is not None:
         raise control.stopped(lead.checkpointer.saved if lead.checkpointer is not None else None)

@@ -2,14 +2,22 @@
 the same config, on the assets conftest.py's ``tiny_assets`` builds once per session; and the tiny
 random Qwen3 target the model-level tests share."""
 
+import os
+
 from examples.dflash_trainer.config import TrainConfig
 
 TINY = dict(devices="cpu", seq_len=64, block_size=8, num_anchors=4, batch_size=2, num_draft_layers=1,
             num_target_layers_used=1, max_steps=12, eval_every=0, checkpoint_every=0, lr=3e-3)
 
 
+def _data_cache(out_dir) -> str:
+    """The tokenized-data cache of a test run: beside its --out-dir, never the user's cache."""
+    return os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data-cache")
+
+
 def tiny_config(assets, out_dir, **overrides) -> TrainConfig:
-    values = dict(TINY, target=str(assets.target_dir), data=str(assets.train_jsonl), out_dir=str(out_dir))
+    values = dict(TINY, target=str(assets.target_dir), data=str(assets.train_jsonl), out_dir=str(out_dir),
+                  data_cache=_data_cache(out_dir))
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -17,7 +25,8 @@ def tiny_config(assets, out_dir, **overrides) -> TrainConfig:
 def tiny_cli(assets, out_dir, *extra, target=None) -> list[str]:
     """The command-line flags of ``tiny_config(assets, out_dir)`` (every flag is a field's name),
     then ``extra``, which overrides them (argparse keeps a repeated flag's last value)."""
-    values = dict(TINY, target=str(target or assets.target_dir), data=str(assets.train_jsonl), out_dir=str(out_dir))
+    values = dict(TINY, target=str(target or assets.target_dir), data=str(assets.train_jsonl), out_dir=str(out_dir),
+                  data_cache=_data_cache(out_dir))
     flags = [part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value))]
     return [*flags, *extra]
 

@@ -163,7 +163,7 @@ def test_damaged_checkpoints_give_one_line_naming_the_file_and_the_fix(tiny_asse
 
 def test_bad_input_found_late_exits_2_with_one_line(tiny_assets, tmp_path, quiet_cli, capsys):
     binary = tmp_path / "data.bin"
-    binary.write_bytes(bytes(range(256)) * 4)
+    binary.write_bytes(bytes(range(255, -1, -1)) * 4)  # invalid UTF-8 from its first byte
     as_file = tmp_path / "a_file"
     as_file.write_text("x")
     cases = [

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..run.checkpoint import Checkpointer
+from ..run.metrics import HISTORY_ROWS
 from ..config import TrainConfig
 from .grads import FlatGrads, make_optimizer
 from .model import DFlashDrafter
@@ -101,8 +102,8 @@ class DrafterReplica:
                          mask_token_id=target.mask_token_id, autocast_dtype=policy.autocast_dtype)
         )
         self._forward_backward = policy.graph(make_forward_backward(step_fn, self.grads))
-        # [loss, weight_sum, acc, acc_k1, grad_norm] per step, read by the training log now and then.
-        self.history = torch.zeros(schedule.total_steps, len(METRIC_NAMES) + 1, device=device)
+        # [loss, weight_sum, acc, acc_k1, grad_norm] of the latest steps (a ring), read by the training log.
+        self.history = torch.zeros(min(schedule.total_steps, HISTORY_ROWS), len(METRIC_NAMES) + 1, device=device)
         self._update = None
         if self.optimizer is not None:
             self._update = policy.graph(make_update(self.grads, self.optimizer, self.history,

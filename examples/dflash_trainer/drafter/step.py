@@ -67,7 +67,7 @@ def make_forward_backward(step_fn: StepFn, grads: FlatGrads) -> Callable[..., No
 
 def make_update(grads: FlatGrads, optimizer: torch.optim.Optimizer, history: torch.Tensor, *,
                 max_norm: float, first_step: int) -> Callable[[], None]:
-    """After averaging: clip, AdamW, and the row [metrics..., grad_norm] into ``history[step]``.
+    """After averaging: clip, AdamW, and the row [metrics..., grad_norm] into ``history[step % rows]``.
     Device work only (the row index is a device counter), so whole-step graphs capture it too;
     the learning-rate schedule reaches the graph through the optimizer's lr tensor."""
     index = torch.full((1,), first_step, dtype=torch.long, device=history.device)
@@ -84,7 +84,7 @@ def make_update(grads: FlatGrads, optimizer: torch.optim.Optimizer, history: tor
                                "step would ignore the schedule; this torch needs --cuda-graphs trees")
         norm = grads.clip_(max_norm)
         optimizer.step()
-        history.index_copy_(0, index, torch.cat([grads.extras, norm.reshape(1)]).unsqueeze(0))
+        history.index_copy_(0, index % history.shape[0], torch.cat([grads.extras, norm.reshape(1)]).unsqueeze(0))
         index.add_(1)
 
     return update

@@ -14,10 +14,8 @@ still verifies.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
@@ -30,6 +28,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import BadInput
 from ..assets.capacity import human_bytes
+from .durable import fsync_path, rng_state, set_rng_state, sha256_file
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -44,7 +43,7 @@ _WRITTEN = re.compile(r"(\.tmp_)?step_\d{8}|latest|\.latest\.tmp")
 # its order, the loss, and the optimiser's schedule.
 RESUME_KEYS = ("target", "target_shape", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers",
                "num_target_layers_used", "gamma", "batch_size", "targets", "drafters", "seed", "lr", "warmup_ratio",
-               "grad_clip", "weight_decay", "epochs", "max_steps")
+               "grad_clip", "weight_decay", "epochs", "max_steps", "reasoning")
 
 
 PATH_KEYS = ("target", "data")
@@ -94,12 +93,12 @@ def save_checkpoint(root: str | Path, step: int, drafter: nn.Module,
     if final.exists():
         shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
     os.replace(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(name + "\n")
-    _fsync(pointer)
+    fsync_path(pointer)
     os.replace(pointer, root / LATEST)
-    _fsync(root)
+    fsync_path(root)
     return final
 
 
@@ -124,14 +123,14 @@ def _write_step(tmp: Path, step: int, drafter: nn.Module, optimizer: torch.optim
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "extra": extra or {},
-        "rng": _rng_state(),
+        "rng": rng_state(),
     }, tmp / STATE)
-    files = {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in (WEIGHTS, STATE)}
+    files = {f: {"size": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in (WEIGHTS, STATE)}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "fingerprint": fingerprint or {}, "files": files},
                                            indent=1, sort_keys=True) + "\n")
     for f in (WEIGHTS, STATE, MANIFEST):
-        _fsync(tmp / f)
-    _fsync(tmp)
+        fsync_path(tmp / f)
+    fsync_path(tmp)
 
 
 def verify_checkpoint(path: str | Path) -> dict:
@@ -160,7 +159,7 @@ def verify_checkpoint(path: str | Path) -> dict:
         if size != want["size"]:
             raise CheckpointError(f"checkpoint file {file} is corrupt: {size} bytes, {manifest_file} says "
                                   f"{want['size']} (truncated or replaced)")
-        if _sha256(file) != want["sha256"]:
+        if sha256_file(file) != want["sha256"]:
             raise CheckpointError(f"checkpoint file {file} is corrupt: its SHA-256 differs from the one in "
                                   f"{manifest_file} (damaged or replaced)")
     return manifest
@@ -170,6 +169,11 @@ def written_by_checkpointer(root: str | Path) -> list[Path]:
     """The entries of `root` that save_checkpoint wrote; anything else there is someone else's."""
     root = Path(root)
     return sorted(p for p in root.iterdir() if _WRITTEN.fullmatch(p.name)) if root.is_dir() else []
+
+
+def interrupted_saves(root: str | Path) -> list[Path]:
+    """What a save cut short (kill -9, power loss) left under `root`: temporaries, never a checkpoint."""
+    return [p for p in written_by_checkpointer(root) if p.name.startswith(".")]
 
 
 def step_directories(root: str | Path) -> list[Path]:
@@ -194,12 +198,16 @@ def nearest_good(root: str | Path, *, exclude: Optional[Path] = None) -> Optiona
 
 
 def _fix(root: Path, bad: Optional[Path] = None) -> str:
-    """The fix for a bad checkpoint: the newest good one to point `latest` at, if there is one."""
+    """The fix for a bad checkpoint: the newest good one to point `latest` at, if there is one (a
+    `latest` that is not a file is moved aside first, or the shell could not write it)."""
     good = nearest_good(root, exclude=bad)
     if good is None:
         return ("no other checkpoint verifies; start a fresh run (a new --out-dir, or --overwrite to discard "
                 "this one)")
-    return f"the nearest good checkpoint is {good}: resume from it with `echo {good.name} > {root / LATEST}` and --resume"
+    pointer = root / LATEST
+    aside = f"mv {pointer} {pointer}.moved && " if pointer.exists() and not pointer.is_file() else ""
+    return (f"the nearest good checkpoint is {good}: resume from it with `{aside}echo {good.name} > {pointer}` "
+            f"and --resume")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -208,6 +216,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     naming a missing directory is a CheckpointError naming the nearest good checkpoint."""
     root = Path(root)
     pointer = root / LATEST
+    if pointer.exists() and not pointer.is_file():
+        kind = "a directory" if pointer.is_dir() else "not a regular file"
+        raise CheckpointError(f"{pointer} is {kind}, not the file naming the newest checkpoint; {_fix(root)}")
     if not pointer.is_file():
         if step_directories(root):
             raise CheckpointError(f"{pointer} is missing but {root} holds step directories; {_fix(root)}")
@@ -254,7 +265,7 @@ def load_checkpoint(path: str | Path, drafter: nn.Module,
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     return state["step"], state["extra"]
 
 
@@ -298,6 +309,11 @@ class Checkpointer:
 
     def _resume_path(self) -> Path:
         path = latest_checkpoint(self.directory)
+        interrupted = [p.name for p in interrupted_saves(self.directory)]
+        if path is None and interrupted:
+            raise CheckpointError(f"--resume: the run in {self.directory.parent} saved no checkpoint (its save "
+                                  f"{interrupted[0]} was interrupted and holds none); start over: drop --resume and "
+                                  f"pass --overwrite, or choose a new --out-dir")
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint under {self.directory} (no {LATEST}, no step_* directory); "
                                   f"check --out-dir, or start a new run: drop --resume and add --overwrite to "
@@ -352,28 +368,6 @@ def verified(path: Path) -> dict:
         raise CheckpointError(f"{err}; {_fix(path.parent, path)}") from None
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's contents to disk (directories: their entries, i.e. renames)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # a directory cannot be opened on some platforms (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _read(file: Path, loader: Any) -> Any:
     if not file.is_file():
         raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete, "
@@ -384,17 +378,3 @@ def _read(file: Path, loader: Any) -> Any:
         raise CheckpointError(f"checkpoint file {file} is corrupt or unreadable "
                               f"({type(err).__name__}: {err}); resume from an earlier step "
                               f"directory") from err
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

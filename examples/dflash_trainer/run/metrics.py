@@ -22,9 +22,14 @@ import torch
 
 from .checkpoint import step_directories
 
-__all__ = ["LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog", "format_phases"]
+__all__ = ["HISTORY_ROWS", "LOG_EVERY", "MetricsLogger", "PhaseTimes", "TrainingDiverged", "TrainingLog",
+           "format_phases"]
 
 LOG_EVERY = 10  # drafter steps per log line and tokens/s window; the first window holds warmup
+# Rows of a replica's metrics history, a ring (step s in row (s - 1) % rows): the log reads it at
+# least every LOG_EVERY steps, so its size never grows with the run's length.
+HISTORY_ROWS = 1024
+assert HISTORY_ROWS >= LOG_EVERY
 
 _RESERVED = ("step", "time", "elapsed_s")
 
@@ -40,10 +45,15 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self.ms: dict[str, list[float]] = collections.defaultdict(list)
+        self.step_ms: list[float] = []  # from each step's begin() to the next's: the worker's step time
         self._last = 0.0
+        self._began: Optional[float] = None
 
     def begin(self) -> None:
         self._last = time.perf_counter()
+        if self._began is not None:
+            self.step_ms.append((self._last - self._began) * 1000)
+        self._began = self._last
 
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
@@ -147,8 +157,11 @@ class TrainingLog:
         return done - self.logged >= LOG_EVERY
 
     def flush(self, history: torch.Tensor, done: int) -> None:
-        """Log steps ``logged + 1 .. done`` from ``history`` (row i = step i + 1)."""
-        rows = history[self.logged:done].tolist()
+        """Log steps ``logged + 1 .. done`` from ``history``, a ring (step s in row (s - 1) % its rows)."""
+        if done - self.logged > history.shape[0]:
+            raise RuntimeError(f"steps {self.logged + 1}..{done} do not fit the {history.shape[0]} rows of the "
+                               f"metrics history: the log must read it at least every {history.shape[0]} steps")
+        rows = history[torch.arange(self.logged, done) % history.shape[0]].tolist()
         now = time.perf_counter()
         for offset, row in enumerate(rows):
             if not all(math.isfinite(v) for v in row):

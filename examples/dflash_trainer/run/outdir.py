@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import written_by_checkpointer
+from .checkpoint import interrupted_saves, written_by_checkpointer
 from ..config import TrainConfig
 from ..errors import BadInput
 
@@ -44,9 +44,11 @@ class OutDirError(BadInput):
 
 def held_run(out: Path) -> list[str]:
     """What of a run `out` holds (``checkpoints/``, ``metrics.jsonl``); empty when none. An empty
-    ``metrics.jsonl`` is no run: one that failed before its first step leaves it."""
+    ``metrics.jsonl`` is no run: one that failed before its first step leaves it, and neither is what an
+    interrupted save left (a temporary step directory holds no checkpoint)."""
     found = []
-    if written_by_checkpointer(out / CHECKPOINTS):
+    interrupted = set(interrupted_saves(out / CHECKPOINTS))
+    if [p for p in written_by_checkpointer(out / CHECKPOINTS) if p not in interrupted]:
         found.append(f"{CHECKPOINTS}/")
     metrics = out / METRICS
     if metrics.is_file() and metrics.stat().st_size > 0:
@@ -128,9 +130,17 @@ def _check_fresh(config: TrainConfig, out: Path) -> None:
 
 
 def clear_overwritten(config: TrainConfig, *, leader: bool) -> None:
-    """``--overwrite`` of a fresh run, on the leader, once its inputs are checked: delete what the
-    trainer wrote there (step directories, ``latest``, ``metrics.jsonl``) and nothing else."""
+    """A fresh run, on the leader, once its inputs are checked: delete what an interrupted save left and,
+    with ``--overwrite``, what the trainer wrote there (step directories, ``latest``, ``metrics.jsonl``),
+    nothing else."""
     out = Path(config.out_dir)
+    if leader and not config.resume:
+        for leftover in interrupted_saves(out / CHECKPOINTS):
+            log.info("dflash: removing %s, left by a save that was cut short (it holds no checkpoint)", leftover)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
     held = held_run(out)
     if not (leader and config.overwrite and not config.resume and held):
         return

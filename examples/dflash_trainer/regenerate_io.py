@@ -1,0 +1,155 @@
+"""The files of ``python -m examples.dflash_trainer.regenerate``: the prompt file it reads, and the
+output it appends to record by record, so a killed run continues where it stopped.
+
+Prompt lines (JSONL, blank lines ignored; a record's index counts the non-blank lines before it):
+
+- {"prompt": str, ...}: one user turn; any "response" is replaced by the target's.
+- {"messages": [{"role": str, "content": str}, ...]}: the conversation up to the turn to generate; a
+  last assistant turn is replaced by the target's.
+
+Output lines: {"index": i, "prompt": str, "response": str, "tokens": n} or {"index": i, "messages":
+[..., {"role": "assistant", "content": str}], "tokens": n}: the trainer's own record formats. Each is
+written whole, flushed and fsynced before the next, so a kill leaves at most one torn last line,
+which the next run cuts off; records already there (by index) are not generated again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import BadInput
+
+FORMATS = '{"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}'
+
+
+class PromptError(BadInput, ValueError):
+    """A prompt file the regeneration cannot use; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    messages: tuple  # of {"role", "content"} dicts, ending before the turn to generate
+    as_prompt: bool  # written back as {"prompt", "response"} (else as messages)
+
+    def matches(self, record: dict) -> bool:
+        """Whether an output record was generated from this prompt."""
+        if self.as_prompt:
+            return record.get("prompt") == self.messages[-1]["content"]
+        return isinstance(record.get("messages"), list) and record["messages"][:-1] == list(self.messages)
+
+    def record(self, text: str, tokens: int) -> dict:
+        if self.as_prompt:
+            return {"index": self.index, "prompt": self.messages[-1]["content"], "response": text, "tokens": tokens}
+        return {"index": self.index, "messages": [*self.messages, {"role": "assistant", "content": text}],
+                "tokens": tokens}
+
+
+def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
+    path = Path(path)
+    if not path.is_file():
+        problem = "is a directory" if path.is_dir() else "does not exist" if not path.exists() else "is not a file"
+        raise PromptError(f"prompt file {path} {problem}; pass a JSONL file of {FORMATS}")
+    prompts: list[Prompt] = []
+    offset = 0
+    with path.open("rb") as raw:
+        for lineno, line in enumerate(raw, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise PromptError(f"prompt file {path} is not UTF-8 text (line {lineno}, byte {offset + err.start} "
+                                  f"of the file); pass a JSONL file of {FORMATS}") from None
+            offset += len(line)
+            if text.strip():
+                prompts.append(_prompt(text, where, len(prompts)))
+    if not prompts:
+        raise PromptError(f"prompt file {path} holds no prompts (it is empty or blank); pass a JSONL file of {FORMATS}")
+    return prompts
+
+
+def _prompt(text: str, where: str, index: int) -> Prompt:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PromptError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); write one JSON object per "
+                          f"line") from None
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}; use {FORMATS}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise PromptError(f"{where}: 'messages' must be a list of {{\"role\": str, \"content\": str}}")
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if turns and turns[-1]["role"] == "assistant":
+            turns.pop()  # the turn to generate again
+        if not turns:
+            raise PromptError(f"{where}: 'messages' holds no turn before the one to generate; add a user turn")
+        return Prompt(index, tuple(turns), as_prompt=False)
+    if isinstance(record.get("prompt"), str):
+        return Prompt(index, ({"role": "user", "content": record["prompt"]},), as_prompt=True)
+    raise PromptError(f"{where}: no 'prompt' string or 'messages' list (keys {sorted(record)}); use {FORMATS}")
+
+
+class Output:
+    """The output file: the indices already done (a torn last line cut off first), and the writer
+    the request threads share."""
+
+    def __init__(self, path: str | os.PathLike[str], prompts: list[Prompt]) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise PromptError(f"--out {self.path} is a directory; pass a .jsonl file path")
+        self.done: set[int] = set()
+        if self.path.is_file():
+            self._resume(prompts)
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")
+
+    def _resume(self, prompts: list[Prompt]) -> None:
+        data = self.path.read_bytes()
+        keep = data.rfind(b"\n") + 1  # complete lines only: a kill mid-write leaves a torn last one
+        for lineno, line in enumerate(data[:keep].splitlines(), start=1):
+            record = _done_record(line)
+            index = None if record is None else record.get("index")
+            if not isinstance(index, int) or not 0 <= index < len(prompts):
+                raise PromptError(f"--out {self.path}:{lineno} is not a record of this prompt file; pass a new --out "
+                                  f"(or delete it to start over)")
+            if not prompts[index].matches(record):
+                raise PromptError(f"--out {self.path}:{lineno} holds record {index} of another prompt file (its prompt "
+                                  f"differs); pass a new --out (or delete it to start over)")
+            if index in self.done:
+                raise PromptError(f"--out {self.path}:{lineno} repeats record {index}; pass a new --out")
+            self.done.add(index)
+        if keep < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def write(self, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.done.add(record["index"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _done_record(line: bytes) -> Optional[dict]:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
