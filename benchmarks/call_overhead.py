@@ -8,30 +8,24 @@ Inductor on the CPU) in a loop; nothing else runs. Variants, timed in turns with
 and every patch that applies on this torch alone, each with its own copy of the function; each round times each single patch ``--reps``
 times in all, each time between a timing of no patches and one of every patch. Before each timing the
 variant's patches are put in place and its copy is compiled (its first call compiles it, once
-per process), then called ``--calls`` times. Prints, and with ``--out-dir`` writes, the median
+per process), then called ``--calls`` times. Writes (to ``--out-dir``, else the scratch folder) and prints the median
 per-call time of each variant, its cost over no patches (us) and its ratio to no patches.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 import types
-from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+import torch
 
-import torch  # noqa: E402
+import threadgraph
 
-import threadgraph  # noqa: E402
+from . import common
 
 THEME = "call-overhead"
 
@@ -114,47 +108,21 @@ def frames_compiled() -> int:
     return sum(counters["frames"].values()) if "frames" in counters else 0
 
 
-def environment() -> dict:
-    return {"gpu": None, "gpus": 0, "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(), "processor": platform.processor()}
-
-
-def markdown(result: dict) -> str:
-    env = result["env"]
-    lines = [f"# call-overhead: install() on a tiny compiled function (CPU, torch {env['torch']})", "",
-             f"- Python {env['python']}, {env['cpus']} CPUs, {env['date']}",
-             f"- per-call CPU time of this thread, median of {result['args']['reps']} timings of {result['args']['calls']} "
-             "calls per single patch (none and all: one timing beside each single patch's), all in one run",
-             f"- frames Dynamo compiled after the first warm-up (a recompile shows here): {result['frames_compiled_after_first_warmup']}", "",
-             "| variant | per call (us) | over none (us) | ratio to none |", "|---|---:|---:|---:|"]
-    for row in result["rows"]:
-        lines.append(f"| {row['variant']} | {row['per_call_us']:.3f} | {row['over_none_us']:+.3f} | "
-                     f"{row['ratio_to_none']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="timings per variant (the median is reported)")
     parser.add_argument("--calls", type=int, default=5000, help="calls per timing")
-    parser.add_argument("--out-dir", help="write <theme>_cpu_torch<version>_<date>.json and .md here")
+    common.add_out_dir(parser)
     args = parser.parse_args(argv)
     if args.reps < 1 or args.calls < 1:
         print("call-overhead: --reps and --calls must be at least 1", file=sys.stderr)
         return 2
-    result = {"env": environment(), "args": {"reps": args.reps, "calls": args.calls}}
+    env = common.environment()
+    result = {"theme": THEME, "env": env, "args": {"reps": args.reps, "calls": args.calls},
+              "command": f"python -m benchmarks call-overhead --reps {args.reps} --calls {args.calls}"}
     result |= measure(args.reps, args.calls)
-    text = markdown(result)
-    print(text)
-    if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"{THEME}_cpu_torch{torch.__version__.split('+')[0]}_{result['env']['date']}"
-        (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"{stem}.md").write_text(text)
-        print(f"wrote {out / stem}.json and .md")
+    common.save(common.results_dir(args.out_dir) / f"{common.results_stem(env, THEME)}.json", result)
     return 0
 
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
