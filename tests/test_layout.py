@@ -126,10 +126,11 @@ def test_the_example_and_benchmarks_use_only_the_librarys_public_api():
     assert not library_privates_used(users), library_privates_used(users)
 
 
-def test_shared_test_helpers_and_the_conformance_suite_use_only_the_librarys_public_api():
+def test_tests_outside_the_librarys_own_use_only_its_public_api():
     # tests/library tests the library from inside; every other test uses it as a user does.
-    users = [p for folder in ("helpers", "conformance") for p in sorted((ROOT / "tests" / folder).rglob("*.py"))]
-    assert len(users) > 10
+    users = [p for folder in ("helpers", "conformance", "trainer", "bench")
+             for p in sorted((ROOT / "tests" / folder).rglob("*.py"))]
+    assert len(users) > 50
     assert not library_privates_used(users), library_privates_used(users)
 
 
