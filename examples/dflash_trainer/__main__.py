@@ -20,7 +20,7 @@ import typing
 
 from threadgraph import WorkerError, check_settings
 
-from .config import CHOICES, TrainConfig
+from .config import CHOICES, PRESETS, TrainConfig, apply_preset
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
 from .run.metrics import format_phases
 from .run.result import RunResult
@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
                             help=_help(field))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a set of settings: 'paper' = the DFlash paper's drafter (" + ", ".join(
+                            f"--{k.replace('_', '-')} {v:g}" for k, v in PRESETS["paper"].items())
+                        + "); flags given beside it win")
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
@@ -50,14 +54,21 @@ def _help(field: dataclasses.Field) -> str:
     return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
 
 
+def _explicit_flags(argv: list[str] | None) -> set[str]:
+    """The TrainConfig fields ``argv`` sets itself (a parse whose defaults are left out)."""
+    parser = _parser()
+    parser.set_defaults(**{field.name: argparse.SUPPRESS for field in dataclasses.fields(TrainConfig)})
+    return set(vars(parser.parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    as_json, debug = args.pop("json"), args.pop("debug")
+    as_json, debug, preset = args.pop("json"), args.pop("debug"), args.pop("preset")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        config = TrainConfig(**args)
+        config = TrainConfig(**apply_preset(args, preset, _explicit_flags(argv)))
         check_settings()  # threadgraph's environment variables (THREADGRAPH_GATE_TIMEOUT)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

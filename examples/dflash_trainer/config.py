@@ -19,6 +19,11 @@ _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
 _CUDA_GRAPHS = ("trees", "whole-step")
 _TARGET_SHAPES = tuple(SHAPES)
+# --preset NAME: settings a flag group stands for; a flag given explicitly beside it wins.
+PRESETS = {
+    # The DFlash paper's drafter (section 4): 5 layers, block 16, 512 anchors, gamma 7, max length 3072.
+    "paper": dict(num_draft_layers=5, block_size=16, num_anchors=512, gamma=7.0, seq_len=3072),
+}
 CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS,
            "target_shape": _TARGET_SHAPES}  # for the CLI
 
@@ -80,6 +85,20 @@ class TrainConfig:
     # barrier) before the job fails naming the ranks that stopped making progress (NCCL and gloo).
     collective_timeout_s: float = 600.0
 
+    # ---- training at the paper's scale: the loss, accumulation, held-out evaluation, a start ----
+    # The loss through the target's LM head takes this many drafter outputs at a time, so the
+    # [tokens, vocab] logits are never whole (drafter/chunked_ce.py).
+    loss_chunk_tokens: int = dataclasses.field(default=1024, metadata={"help": (
+        "drafter outputs the loss takes through the LM head at a time (its logits are never held whole)")})
+    grad_accum: int = dataclasses.field(default=1, metadata={"help": (
+        "micro-batches of --batch-size per drafter step: trains like an N-times larger batch")})
+    eval_data: str | None = dataclasses.field(default=None, metadata={"help": (
+        "JSONL of held-out samples for tau (input_ids, and loss_mask marking the response); without it "
+        "the embedded eval prompts, or with --data a fixed split of it that training never reads")})
+    init_from: str | None = dataclasses.field(default=None, metadata={"help": (
+        "start from a DFlash drafter checkpoint directory in the z-lab or speculators format, of this "
+        "run's architecture")})
+
     def __post_init__(self) -> None:
         for name in ("targets", "drafters", "seq_len", "num_anchors", "num_draft_layers",
                      "batch_size", "epochs", "eval_prompts", "eval_max_new_tokens",
@@ -136,6 +155,15 @@ class TrainConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"out_dir must be a non-empty path, got {self.out_dir!r}")
         self.device_list  # validates the comma list
+        self._check_scale_settings()
+
+    def _check_scale_settings(self) -> None:
+        for name in ("loss_chunk_tokens", "grad_accum"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("eval_data", "init_from"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty path or None, got {value!r}")
 
     @property
     def num_feature_layers(self) -> int:
@@ -211,3 +239,12 @@ def _check_float(name: str, value: Any, *, low: float, high: float | None = None
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def apply_preset(values: dict[str, Any], preset: str | None, explicit: set[str]) -> dict[str, Any]:
+    """``values`` (TrainConfig keyword arguments) with ``preset``'s settings, except those in ``explicit``."""
+    if preset is None:
+        return values
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    return {**values, **{k: v for k, v in PRESETS[preset].items() if k not in explicit}}

@@ -118,11 +118,12 @@ class Pipeline:
 
     def batches(self, shard: int) -> ShardBatches:
         """Target shard ``shard``'s batches: global batch b belongs to shard b % targets, and step s
-        of the run takes batches s * drafters .. s * drafters + drafters - 1."""
+        of the run takes batches s * drafters * grad_accum .. (s + 1) * drafters * grad_accum - 1."""
         cfg = self.config
+        per_step = cfg.drafters * cfg.grad_accum
         return ShardBatches(self.data, cfg.batch_size, seed=cfg.seed, shard=shard, num_shards=cfg.targets,
-                            rank=self.rank, world_size=self.world, first=self.start_step * cfg.drafters,
-                            end=self.schedule.total_steps * cfg.drafters)
+                            rank=self.rank, world_size=self.world, first=self.start_step * per_step,
+                            end=self.schedule.total_steps * per_step)
 
     def target_stage(self, device: torch.device) -> TargetStage:
         return TargetStage(self.targets.get(device), self.policy, num_anchors=self.config.num_anchors)
@@ -154,7 +155,7 @@ class Pipeline:
     def training_log(self, metrics: Optional[MetricsLogger], progress: Optional[Callable[[dict], None]]) -> TrainingLog:
         cfg = self.config
         return TrainingLog(metric_names=METRIC_NAMES, start_step=self.start_step,
-                           tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * self.world,
+                           tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * cfg.grad_accum * self.world,
                            lr_at=lambda step: cfg.lr * self.schedule.lr_factor(step), base_lr=cfg.lr,
                            checkpoint_dir=self.checkpointer.directory, metrics=metrics, progress=progress)
 

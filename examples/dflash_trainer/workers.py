@@ -135,9 +135,12 @@ class DrafterWorker(_Worker):
                 replica.warm_up(example(self.device))
                 self.phases.mark("compile_ahead")
         try:
+            for micro in range(replica.grad_accum - 1):  # --grad-accum: all but the step's last micro-batch
+                replica.forward_backward(self.handoff.get(self.index, self.device), micro)
             batch = self.handoff.get(self.index, self.device)
             self.phases.mark("wait_batch")
-            replica.train_step(batch, average=self._average, updated=self._updated, mark=self.phases.mark)
+            replica.train_step(batch, average=self._average, updated=self._updated, mark=self.phases.mark,
+                               micro=replica.grad_accum - 1)
         except _WOKEN:  # from the hand-off or the averager's waits
             if self.stopping:  # the run stopped (or a peer failed): leave quietly
                 return
