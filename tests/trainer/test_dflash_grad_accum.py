@@ -82,3 +82,12 @@ def test_the_schedule_counts_a_step_as_grad_accum_batches(tiny_assets, tmp_path)
     two = dataclasses.replace(one, grad_accum=2)
     assert Schedule.for_run(one, 400, 1).total_steps == 100
     assert Schedule.for_run(two, 400, 1).total_steps == 50
+
+
+def test_threaded_run_with_grad_accum_takes_n_batches_a_step(tiny_assets, tmp_path):
+    from examples.dflash_trainer.train import train
+
+    result = train(tiny_config(tiny_assets, tmp_path, max_steps=4, grad_accum=2))
+    assert len(result.losses) == 4
+    # every target's batches were consumed: 4 steps x 3 drafters x 2 micro-batches over the 5 targets
+    assert sum(w.steps for name, w in result.workers.items() if name.startswith("target")) >= 4 * 3 * 2
