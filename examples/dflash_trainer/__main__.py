@@ -26,23 +26,25 @@ from .run.metrics import format_phases
 from .run.result import RunResult
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``defaults=False``: the fields' flags have none (a parse holds only those given)."""
     parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
+        default = field.default if defaults else argparse.SUPPRESS
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=field.default)
+            parser.add_argument(flag, action="store_true", default=default)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        parser.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
+        parser.add_argument(flag, type=base, default=default, choices=CHOICES.get(field.name),
                             help=_help(field))
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a set of settings: 'paper' = the DFlash paper's drafter (" + ", ".join(
                             f"--{k.replace('_', '-')} {v:g}" for k, v in PRESETS["paper"].items())
-                        + "); flags given beside it win")
+                        + ", so gamma 7); flags given beside it win")
     parser.add_argument("--json", action="store_true", help="print the final results as JSON")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     return parser
@@ -56,9 +58,8 @@ def _help(field: dataclasses.Field) -> str:
 
 def _explicit_flags(argv: list[str] | None) -> set[str]:
     """The TrainConfig fields ``argv`` sets itself (a parse whose defaults are left out)."""
-    parser = _parser()
-    parser.set_defaults(**{field.name: argparse.SUPPRESS for field in dataclasses.fields(TrainConfig)})
-    return set(vars(parser.parse_args(argv)))
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    return set(vars(_parser(defaults=False).parse_args(argv))) & fields
 
 
 def main(argv: list[str] | None = None) -> int:

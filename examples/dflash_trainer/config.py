@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assets.shapes import SHAPES
+from .drafter.chunked_ce import DEFAULT_CHUNK_TOKENS
 
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -21,8 +22,9 @@ _CUDA_GRAPHS = ("trees", "whole-step")
 _TARGET_SHAPES = tuple(SHAPES)
 # --preset NAME: settings a flag group stands for; a flag given explicitly beside it wins.
 PRESETS = {
-    # The DFlash paper's drafter (section 4): 5 layers, block 16, 512 anchors, gamma 7, max length 3072.
-    "paper": dict(num_draft_layers=5, block_size=16, num_anchors=512, gamma=7.0, seq_len=3072),
+    # The DFlash paper's drafter (section 4): 5 layers, block 16 (its gamma, 7, follows), 512 anchors,
+    # max length 3072.
+    "paper": dict(num_draft_layers=5, block_size=16, num_anchors=512, seq_len=3072),
 }
 CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS,
            "target_shape": _TARGET_SHAPES}  # for the CLI
@@ -88,7 +90,7 @@ class TrainConfig:
     # ---- training at the paper's scale: the loss, accumulation, held-out evaluation, a start ----
     # The loss through the target's LM head takes this many drafter outputs at a time, so the
     # [tokens, vocab] logits are never whole (drafter/chunked_ce.py).
-    loss_chunk_tokens: int = dataclasses.field(default=1024, metadata={"help": (
+    loss_chunk_tokens: int = dataclasses.field(default=DEFAULT_CHUNK_TOKENS, metadata={"help": (
         "drafter outputs the loss takes through the LM head at a time (its logits are never held whole)")})
     grad_accum: int = dataclasses.field(default=1, metadata={"help": (
         "micro-batches of --batch-size per drafter step: trains like an N-times larger batch")})

@@ -91,6 +91,10 @@ class Pipeline:
         (distributed.init_from_env comes first, where there is one)."""
         devices = distributed.local_devices(available_devices(config.device_list))
         policy = ExecutionPolicy.resolve(config, devices)
+        if config.target_shape is not None:  # refused before the embedded assets or the shape are built
+            from .assets.shapes import shape_num_params
+
+            sizes.check(config, *shape_num_params(config.target_shape), policy.target_dtype, devices)
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()

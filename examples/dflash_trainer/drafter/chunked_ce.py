@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 512
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -26,11 +26,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
         lse_parts, argmax_parts = [], []
         for start in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[start:start + chunk], weight).float()
-            lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, labels[start:start + chunk, None]).squeeze(1)
+            top, argmax = logits.max(dim=-1)
+            # log-sum-exp in place on the chunk's logits (torch.logsumexp would allocate a second copy)
+            lse = logits.sub_(top[:, None]).exp_().sum(-1).log_().add_(top)
             total = total + ((lse - picked) * weights[start:start + chunk]).sum()
             lse_parts.append(lse)
-            argmax_parts.append(logits.argmax(-1))
+            argmax_parts.append(argmax)
+            del logits  # before the next chunk's are made, not after
         predicted = torch.cat(argmax_parts)
         ctx.save_for_backward(hidden, weight, labels, weights, torch.cat(lse_parts))
         ctx.chunk = chunk
@@ -44,12 +47,13 @@ class _ChunkedHeadCE(torch.autograd.Function):
         parts = []
         for start in range(0, hidden.shape[0], chunk):
             stop = start + chunk
-            logits = F.linear(hidden[start:stop], weight).float()
-            grad = torch.exp(logits - lse[start:stop, None])  # softmax
-            grad = grad.scatter_add(1, labels[start:stop, None],
-                                    torch.full_like(lse[start:stop, None], -1.0))  # - onehot
-            grad = grad * (weights[start:stop] * grad_total)[:, None]
+            # In place on the chunk's float32 logits: one [chunk, vocab] buffer at a time.
+            grad = F.linear(hidden[start:stop], weight).float()
+            grad.sub_(lse[start:stop, None]).exp_()  # softmax
+            grad.scatter_add_(1, labels[start:stop, None], torch.full_like(lse[start:stop, None], -1.0))  # - onehot
+            grad.mul_((weights[start:stop] * grad_total)[:, None])
             parts.append(grad.to(hidden.dtype) @ weight)
+            del grad  # before the next chunk's are made, not after
         return torch.cat(parts), None, None, None, None
 
 
