@@ -29,6 +29,7 @@ MEASURE = {
     "install-overhead": ("install_overhead.py", ()),
     "fence-overhead": ("fence_overhead.py", ()),
     "gil-profile": ("gil_profile.py", ()),
+    "dflash-loss-memory": ("dflash_loss_memory.py", ()),
 }
 RENDER = {
     "readme": ("render.py", ("readme",)),

@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir:
         date = datetime.date.today().isoformat()
         version = torch.__version__.split("+")[0]
-        results["env"] = {"torch": torch.__version__, "python": platform.python_version(), "machine": "cpu",
-                          "cpus": os.cpu_count(), "date": date}
+        results["env"] = {"torch": torch.__version__, "python": platform.python_version(), "gpu": None,
+                          "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "date": date}
         out = Path(args.out_dir) / f"{THEME}_cpu_torch{version}_{date}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2) + "\n")

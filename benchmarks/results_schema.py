@@ -114,6 +114,7 @@ THEMES: dict[str, dict[str, Any]] = {
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
     "doctor-selftest": {"checks": list, "checks[]": {"check": str, "passed": bool}},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
+    "dflash-loss-memory": {"env": dict, "vocab": int, "dense_peak_bytes": int, "chunked_peak_bytes": int},
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
 

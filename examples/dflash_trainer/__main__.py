@@ -194,7 +194,8 @@ def _print_summary(r: RunResult) -> None:
     base, final = r.baseline or {}, r.eval or {}
     if final:
         meaningless = "  MEANINGLESS: the target has random weights" if report.get("random_weights") else ""
-        print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
+        rests = f" over {final['prompts']} held-out prompts, {final['tokens']} tokens" if "prompts" in final else ""
+        print(f"acceptance length tau {final['tau']:.3f}{rests}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f}){meaningless}")
     print(f"startup {r.startup_s:.1f} s to the last worker's first steady step (build {r.build_s:.1f} s)")
     for name, w in r.workers.items():

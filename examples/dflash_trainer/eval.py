@@ -1,6 +1,7 @@
 """Acceptance length tau by greedy speculative decoding (DFlash paper, temperature 0).
 
-Simple, not fast: no KV cache, the target re-reads the whole prefix at every step. Each step
+Simple, not fast: no KV cache, the target re-reads the whole prefix at every step (at block 16 a
+step accepts more tokens, so there are fewer steps than at block 8). Each step
 drafts [last, MASK, ...], the target verifies the block in one forward, the matching prefix is
 accepted plus the target's own next token, and tau = mean(accepted + 1) over steps.
 """
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .data import TokenData
+from .errors import InputError
 from .target import TargetModel
 
 # propose(tokens [T], context_features [T-1, n*H], block_size) -> draft tokens [block_size-1]
@@ -103,17 +105,39 @@ def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_
     return produced
 
 
-def held_out_prompts(eval_jsonl: Optional[str], data: TokenData, count: int) -> list[torch.Tensor]:
-    """Held-out prompts: the embedded eval file, else the prompt part of the last samples."""
-    if eval_jsonl is not None:
-        with open(eval_jsonl) as f:
-            return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
+EVAL_SPLIT_SEED = 50_050  # the fixed split of --data: the same samples are held out whatever --seed is
+
+
+def prompts_of(data: TokenData, count: int) -> list[torch.Tensor]:
+    """The prompt parts (the tokens before the first response token) of the first ``count`` samples
+    of ``data`` that have one."""
     prompts = []
-    for ids, mask in zip(data.ids[-count:], data.loss_mask[-count:]):
+    for ids, mask in zip(data.ids, data.loss_mask):
         first_response = int(mask.nonzero()[0]) if mask.any() else ids.shape[0]
         if first_response > 0:
             prompts.append(ids[:first_response].long())
+        if len(prompts) == count:
+            break
     return prompts
+
+
+def split_held_out(data: TokenData, count: int) -> tuple[TokenData, TokenData]:
+    """(training, held out): ``count`` samples drawn with a fixed seed (EVAL_SPLIT_SEED) are held out
+    for evaluation and removed from the training data, which keeps its order."""
+    if len(data) <= count:
+        raise InputError(f"the data has {len(data)} samples, too few to hold {count} out for evaluation and train "
+                         f"on the rest; lower --eval-prompts or pass --eval-data FILE")
+    held = torch.zeros(len(data), dtype=torch.bool)
+    held[torch.randperm(len(data), generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))[:count]] = True
+    train, out = ~held, held
+    return (TokenData(data.ids[train], data.loss_mask[train], data.skipped),
+            TokenData(data.ids[out], data.loss_mask[out], 0))
+
+
+def read_prompts(eval_jsonl: str, count: int) -> list[torch.Tensor]:
+    """The first ``count`` prompts of an eval file of ``{"input_ids": [...]}`` lines (the embedded default's)."""
+    with open(eval_jsonl) as f:
+        return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
 
 
 class Evaluator:
@@ -129,11 +153,13 @@ class Evaluator:
         self._stops = [t for t in (tokenizer.eos_token_id,) if t is not None] if tokenizer is not None else []
 
     def __call__(self, drafter: nn.Module) -> dict:
-        """{"tau", "steps", "accepted_hist"} of ``drafter``; empty without prompts."""
+        """{"tau", "steps", "accepted_hist", "prompts", "tokens"} of ``drafter``: tau, and the number of
+        held-out prompts and of generated tokens it rests on; empty without prompts."""
         if not self.prompts:
             return {}
         result = self._tau(drafter)
-        return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"]}
+        return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"],
+                "prompts": len(self.prompts), "tokens": result["tokens"]}
 
     def baselines(self, drafter: nn.Module) -> dict:
         """tau of the untrained drafter and of repeating the last token: what training must beat."""

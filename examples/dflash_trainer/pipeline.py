@@ -24,7 +24,7 @@ from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
 from .data import ShardBatches, TokenData, read_jsonl
 from .errors import InputError
-from .eval import Evaluator, held_out_prompts
+from .eval import Evaluator, prompts_of, read_prompts, split_held_out
 from .run.metrics import MetricsLogger, TrainingLog
 from .placement import available_devices
 from .policy import ExecutionPolicy
@@ -84,6 +84,7 @@ class Pipeline:
     checkpointer: Checkpointer
     eval_jsonl: Optional[str]
     target_report: Optional[dict]
+    held_out: Optional[TokenData] = None  # evaluation's samples (--eval-data, or the split of --data)
 
     @classmethod
     def build(cls, config: TrainConfig) -> Pipeline:
@@ -101,6 +102,15 @@ class Pipeline:
         num_params = sum(p.numel() for p in shape.model.parameters())
         sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
         data = read_jsonl(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size)
+        held_out = None  # evaluation's samples, when they come from --eval-data or a split of --data
+        if config.eval_data is not None:
+            held_out = read_jsonl(config.eval_data, tokenizer=shape.tokenizer, seq_len=config.seq_len,
+                                  vocab_size=shape.vocab_size)
+            eval_jsonl = None
+        elif eval_jsonl is None and config.eval_every:  # --target with --data: a fixed split training never reads
+            data, held_out = split_held_out(data, config.eval_prompts)
+            log.info("dflash: %d samples of --data held out for evaluation (a fixed split; --eval-data FILE "
+                     "replaces it), %d left to train on", len(held_out), len(data))
         rank, world = distributed.rank_and_world()
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.
@@ -114,7 +124,8 @@ class Pipeline:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
         return cls(config=config, devices=devices, policy=policy, rank=rank, world=world,
                    targets=SharedTargets(source), data=data,
-                   schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report)
+                   schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report,
+                   held_out=held_out)
 
     @property
     def start_step(self) -> int:
@@ -152,7 +163,12 @@ class Pipeline:
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config
-        prompts = held_out_prompts(self.eval_jsonl, self.data, cfg.eval_prompts)
+        if self.held_out is not None:
+            prompts = prompts_of(self.held_out, cfg.eval_prompts)
+        elif self.eval_jsonl is not None:
+            prompts = read_prompts(self.eval_jsonl, cfg.eval_prompts)
+        else:
+            prompts = []
         return Evaluator(self.targets.get(device), prompts, block_size=cfg.block_size, max_new_tokens=cfg.eval_max_new_tokens,
                          autocast_dtype=self.policy.autocast_dtype)
 
