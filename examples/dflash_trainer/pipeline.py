@@ -31,7 +31,8 @@ from .policy import ExecutionPolicy
 from .drafter.replica import DrafterReplica, SharedDrafterWeights
 from .schedule import Schedule
 from .drafter.step import METRIC_NAMES
-from .target import SharedTargets, TargetSource
+from .target import SharedTargets, TargetModel, TargetSource
+from .export.init_from import PublishedDrafter, read_published
 from .target_stage import TargetStage, example_item
 
 log = logging.getLogger("dflash")
@@ -85,6 +86,7 @@ class Pipeline:
     eval_jsonl: Optional[str]
     target_report: Optional[dict]
     held_out: Optional[TokenData] = None  # evaluation's samples (--eval-data, or the split of --data)
+    init_from: Optional[PublishedDrafter] = None  # the drafter the replicas start from (--init-from)
 
     @classmethod
     def build(cls, config: TrainConfig) -> Pipeline:
@@ -122,10 +124,13 @@ class Pipeline:
             sizes.check_checkpoint_room(config, shape.config, num_params, saves)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
+        init_from = None  # a resumed run continues from its checkpoint, not from --init-from again
+        if config.init_from is not None and checkpointer.resume_from is None:
+            init_from = _published_drafter(config, shape)
         return cls(config=config, devices=devices, policy=policy, rank=rank, world=world,
                    targets=SharedTargets(source), data=data,
                    schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report,
-                   held_out=held_out)
+                   held_out=held_out, init_from=init_from)
 
     @property
     def start_step(self) -> int:
@@ -148,7 +153,7 @@ class Pipeline:
         """A drafter replica restored from the resume checkpoint, if any, on the device's shared
         target. ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
         return DrafterReplica(self.config, self.policy, self.schedule, self.targets.get(device),
-                              self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
+                              self.checkpointer, weights=weights, steps_optimizer=steps_optimizer, init=self.init_from)
 
     @functools.cached_property
     def example_batch(self) -> tuple[torch.Tensor, ...]:
@@ -178,6 +183,18 @@ class Pipeline:
                            tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * cfg.grad_accum * self.world,
                            lr_at=lambda step: cfg.lr * self.schedule.lr_factor(step), base_lr=cfg.lr,
                            checkpoint_dir=self.checkpointer.directory, metrics=metrics, progress=progress)
+
+
+def _published_drafter(config: TrainConfig, shape: TargetModel) -> PublishedDrafter:
+    """The --init-from checkpoint, checked against the run's drafter (built on the meta device: no memory)."""
+    from .drafter.model import DFlashDrafter
+
+    published = read_published(config.init_from)
+    with torch.device("meta"):
+        probe = DFlashDrafter.from_target_config(shape.config, shape.embed_tokens, shape.lm_head,
+                                                 config.num_draft_layers, config.num_feature_layers)
+    published.check(probe.arch, shape.layer_ids, config.block_size, shape.mask_token_id)
+    return published
 
 
 def _read_json(path) -> Optional[dict]:

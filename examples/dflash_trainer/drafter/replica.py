@@ -31,6 +31,7 @@ from ..policy import ExecutionPolicy
 from ..schedule import Schedule
 from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
 from ..target import TargetModel
+from ..export.init_from import PublishedDrafter, load_into
 
 
 class SharedDrafterWeights:
@@ -69,7 +70,7 @@ class SharedDrafterWeights:
 class DrafterReplica:
     def __init__(self, config: TrainConfig, policy: ExecutionPolicy, schedule: Schedule, target: TargetModel,
                  checkpointer: Optional[Checkpointer] = None, *, weights: Optional[SharedDrafterWeights] = None,
-                 steps_optimizer: bool = True) -> None:
+                 steps_optimizer: bool = True, init: Optional[PublishedDrafter] = None) -> None:
         # The drafter borrows the frozen embedding and LM head of ``target``, on its device.
         device = target.device
         # Identical initial weights in every replica and process, whatever other threads do.
@@ -77,6 +78,8 @@ class DrafterReplica:
             target.config, target.embed_tokens, target.lm_head, config.num_draft_layers, config.num_feature_layers,
             generator=torch.Generator().manual_seed(config.seed),
         )
+        if init is not None:  # --init-from: a published drafter's weights instead of the random ones
+            load_into(drafter, init)
         self.total_steps = schedule.total_steps
         self.step = checkpointer.start_step if checkpointer is not None else 0  # optimizer steps done
         if weights is not None:
