@@ -1,7 +1,8 @@
 """Acceptance length tau by greedy speculative decoding (DFlash paper, temperature 0).
 
-Simple, not fast: no KV cache, the target re-reads the whole prefix at every step (at block 16 a
-step accepts more tokens, so there are fewer steps than at block 8). Each step
+The target keeps a KV cache of the accepted tokens: each step it reads only the block it verifies,
+then the cache drops the rejected tokens (``kv_cache=False`` re-reads the whole prefix instead, the
+same tokens and tau). The drafter reads all context features at each step, as at inference. Each step
 drafts [last, MASK, ...], the target verifies the block in one forward, the matching prefix is
 accepted plus the target's own next token, and tau = mean(accepted + 1) over steps.
 """
@@ -48,7 +49,7 @@ def repeat_last_token(tokens: torch.Tensor, context: torch.Tensor,
 @torch.no_grad()
 def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
                       prompts: Sequence[torch.Tensor], block_size: int, max_new_tokens: int,
-                      mask_token_id: int, stop_token_ids: Sequence[int] = ()) -> dict:
+                      mask_token_id: int, stop_token_ids: Sequence[int] = (), kv_cache: bool = True) -> dict:
     """Greedy speculative decoding of each prompt (1-D id tensors); returns
     {"tau", "steps", "tokens", "accepted_hist"}, where accepted_hist[j] counts steps that
     accepted j drafted tokens. Every step verifies a full block, so the last one may run past
@@ -67,7 +68,7 @@ def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
     try:
         for prompt in prompts:
             tokens_out += _decode(target, propose, prompt, block_size, max_new_tokens,
-                                  set(stop_token_ids), hist)
+                                  set(stop_token_ids), hist, kv_cache)
     finally:
         if was_training:
             drafter.train()
@@ -77,12 +78,14 @@ def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
 
 
 def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_size: int,
-            max_new_tokens: int, stop: set[int], hist: list[int]) -> int:
+            max_new_tokens: int, stop: set[int], hist: list[int], kv_cache: bool = True) -> int:
     """Generate for one prompt, adding each step's accepted count to `hist`; returns tokens made."""
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(f"each prompt must be a non-empty 1-D id tensor, got shape "
                          f"{tuple(prompt.shape)}")
     seq = prompt.to(target.device).long()
+    if kv_cache:
+        return _decode_cached(target, propose, seq, block_size, max_new_tokens, stop, hist)
     logits, features = target.logits_and_features(seq[None])
     seq = torch.cat([seq, logits[0, -1].argmax()[None]])  # prefill gives the first token
     context = features[0]  # features of every token except the newest
@@ -102,6 +105,33 @@ def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_
         produced += new.shape[0]
         # Features up to the last accepted draft token are exact (causal target, same prefix).
         context = features[0, :seq.shape[0] - 1]
+    return produced
+
+
+def _decode_cached(target: TargetModel, propose: Proposer, seq: torch.Tensor, block_size: int,
+                   max_new_tokens: int, stop: set[int], hist: list[int]) -> int:
+    """_decode() with the target's KV cache: the cache holds every token but the newest."""
+    logits, context, cache = target.cached_logits_and_features(seq[None])
+    seq = torch.cat([seq, logits[0, -1].argmax()[None]])
+    context = context[0]
+    produced = 1
+    while produced < max_new_tokens and int(seq[-1]) not in stop:
+        draft = propose(seq, context, block_size).to(seq.device).long()
+        logits, features, cache = target.cached_logits_and_features(torch.cat([seq[-1:], draft])[None], cache)
+        posterior = logits[0].argmax(-1)  # the target's choice after each token of [last, draft]
+        accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
+        hist[accepted] += 1
+        new = torch.cat([draft[:accepted], posterior[accepted:accepted + 1]])
+        if stop:
+            hits = [i for i, t in enumerate(new.tolist()) if t in stop]
+            new = new[:hits[0] + 1] if hits else new
+        seq = torch.cat([seq, new])
+        produced += new.shape[0]
+        # The block's first len(new) tokens are the old newest token and the accepted drafts: now known.
+        context = torch.cat([context, features[0, :new.shape[0]]])
+        rejected = block_size - new.shape[0]  # the cache holds start + block_size tokens
+        if rejected:
+            cache.crop(-rejected)  # transformers' crop: a negative count removes that many from the end
     return produced
 
 

@@ -135,7 +135,8 @@ class DrafterWorker(_Worker):
                 replica.warm_up(example(self.device))
                 self.phases.mark("compile_ahead")
         try:
-            for micro in range(replica.grad_accum - 1):  # --grad-accum: all but the step's last micro-batch
+            # --grad-accum: all but the step's last micro-batch (their time shows in the wait_batch phase)
+            for micro in range(replica.grad_accum - 1):
                 replica.forward_backward(self.handoff.get(self.index, self.device), micro)
             batch = self.handoff.get(self.index, self.device)
             self.phases.mark("wait_batch")
