@@ -87,7 +87,8 @@ def test_the_schedule_counts_a_step_as_grad_accum_batches(tiny_assets, tmp_path)
 def test_threaded_run_with_grad_accum_takes_n_batches_a_step(tiny_assets, tmp_path):
     from examples.dflash_trainer.train import train
 
-    result = train(tiny_config(tiny_assets, tmp_path, max_steps=4, grad_accum=2))
+    # the loss in chunks of 24 of the step's 64 outputs: three chunks, the last one short
+    result = train(tiny_config(tiny_assets, tmp_path, max_steps=4, grad_accum=2, loss_chunk_tokens=24))
     assert len(result.losses) == 4
     # every target's batches were consumed: 4 steps x 3 drafters x 2 micro-batches over the 5 targets
     assert sum(w.steps for name, w in result.workers.items() if name.startswith("target")) >= 4 * 3 * 2
