@@ -1,9 +1,10 @@
 """Peak memory of the DFlash drafter loss at Qwen3's vocabulary, dense against chunked, and the trainer's estimate of a whole drafter step set beside its measured peak (CPU).
 
 Each measurement runs in a fresh Python process (``--child``), so one does not inherit another's
-allocations: the child builds its inputs, reads its resident set size (``/proc/self/statm``), runs
-the loss (or the drafter step) forward and backward once, and reports ``ru_maxrss`` after it minus
-the resident size before it: the bytes the work added at its peak. glibc is told to hand every
+allocations: the child builds its inputs, reads its resident set size (``/proc/self/status``), runs
+the loss (or the drafter step) forward and backward once, and reports the peak resident size after it
+(``VmHWM``, reset just before the work through ``/proc/self/clear_refs``) minus the resident size before
+it: the bytes the work added at its peak. glibc is told to hand every
 allocation of 64 KiB or more straight back to the system (``MALLOC_MMAP_THRESHOLD_``), so the
 resident size follows the live tensors rather than the allocator's free lists.
 
@@ -22,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -39,23 +39,23 @@ STEP_SHAPE = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768
                   batch=2, seq_len=512, anchors=64, block_size=16)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size (``VmRSS``: resident now; ``VmHWM``: its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}: this measurement needs Linux")
 
 
 def _measure(work) -> int:
-    """Bytes ``work()`` added to the process at its peak, above the resident size before it."""
-    before = _rss_bytes()
-    if _peak_bytes() > before + (64 << 20):
-        raise RuntimeError("the child's setup peaked 64 MiB above its resident size: the work's peak would hide "
-                           "under it; build the inputs without large temporaries")
+    """Bytes ``work()`` added to the process at its peak, above the resident size before it: the peak
+    resident size is reset first (``/proc/self/clear_refs``), so the setup's own peak cannot hide it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before = _status_bytes("VmRSS")
     work()
-    return _peak_bytes() - before
+    return _status_bytes("VmHWM") - before
 
 
 def _child_loss(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"vocab": args.vocab, "tokens": args.tokens, "hidden": args.hidden, "chunk_tokens": chunk,
                "dtype": "float32", "dense_peak_bytes": dense, "chunked_peak_bytes": chunked,
                "chunked_over_dense": round(chunked / dense, 4),
-               "method": "fresh process per measurement; ru_maxrss after the work minus the resident size before it; "
-                         "MALLOC_MMAP_THRESHOLD_=65536"}
+               "method": "fresh process per measurement; peak resident size (VmHWM, reset by /proc/self/clear_refs "
+                         "just before the work) minus the resident size before it; MALLOC_MMAP_THRESHOLD_=65536"}
     if not args.skip_step:
         step = _run_child(["step", json.dumps(STEP_SHAPE), str(args.vocab), str(chunk)])
         ratio = step["estimate_bytes"] / step["peak_bytes"]
