@@ -26,6 +26,7 @@ COMMANDS = {
     "tau-reproducibility": ("measure", "tau_reproducibility", ()),
     "install-overhead": ("measure", "install_overhead", ()),
     "call-overhead": ("measure", "call_overhead", ()),
+    "dflash-loss-memory": ("measure", "dflash_loss_memory", ()),
     "fence-overhead": ("measure", "fence_overhead", ()),
     "gil-profile": ("measure", "gil_profile", ()),
     "gpu-scenarios": ("collect", "gpu_scenarios_results", ("gpu-scenarios",)),

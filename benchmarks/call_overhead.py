@@ -1,4 +1,4 @@
-"""What ``threadgraph.install()`` adds to every call of a small compiled function, on the CPU, patch by patch.
+"""What ``threadgraph.install()`` adds to each call of a tiny compiled function (CPU), per patch.
 
     python -m benchmarks call-overhead [--reps 7] [--calls 5000] [--out-dir benchmarks/results]
 

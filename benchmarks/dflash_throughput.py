@@ -147,6 +147,10 @@ def make_config(args, out_dir: str):
                  "gil_switch_interval_ms", "cuda_graphs"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
+    if args.preset is not None:  # the trainer's --preset; sizes given beside it win
+        from examples.dflash_trainer.config import apply_preset
+
+        kw = apply_preset(kw, args.preset, set(kw))
     from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 
     # Built (or found in the cache) once here, outside the timed cells.
@@ -164,7 +168,7 @@ def make_config(args, out_dir: str):
 
 def theme(args) -> str:
     """``dflash-throughput-<target>-<graphs>``."""
-    return f"dflash-throughput-{target_label(args)}-{graphs(args)}"
+    return f"dflash-throughput-{target_label(args)}{'-' + args.preset if args.preset else ''}-{graphs(args)}"
 
 
 def target_label(args) -> str:
@@ -192,6 +196,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-anchors", type=int, help="default: TrainConfig's (quick: 4)")
     p.add_argument("--num-draft-layers", type=int)
+    p.add_argument("--preset", choices=("paper",), help="the trainer's --preset: paper = the DFlash paper's drafter "
+                   "(5 layers, block 16, 512 anchors, seq-len 3072); sizes given beside it win")
     p.add_argument("--num-target-layers-used", type=int, help="default: TrainConfig's (tiny assets: 1)")
     p.add_argument("--cuda-graphs", choices=("trees", "whole-step"),
                    help="both pipelines: CUDAGraph Trees (default) or whole-step graphs (threadgraph.capture_step)")

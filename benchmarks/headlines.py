@@ -193,10 +193,22 @@ def gpu_scenarios(data: dict) -> list:
     return [(f"{row[0]} ({label.split(' ')[0]})", row[1]) for label, row in rows if row is not None]
 
 
+def dflash_loss_memory(data: dict) -> list:
+    """The drafter loss's peak memory, dense and chunked, and the step estimate against its measured peak."""
+    rows = [(f"DFlash drafter loss, vocabulary {data['vocab']:,}, {data.get('tokens', '?')} outputs, CPU",
+             f"peak chunked {data['chunked_peak_bytes'] / 2**20:.0f} MiB, dense {data['dense_peak_bytes'] / 2**20:.0f} MiB "
+             f"({data['chunked_peak_bytes'] / data['dense_peak_bytes']:.3f} of dense)")]
+    if "step" in data:
+        rows.append(("DFlash drafter step, the trainer's memory estimate",
+                     f"{data['step']['estimate_over_measured']:.3f} of the measured peak"))
+    return rows
+
+
 EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-trainer": dflash_trainer,
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
-              "install-overhead": install_overhead, "call-overhead": call_overhead, "conformance": conformance}
+              "install-overhead": install_overhead, "call-overhead": call_overhead, "conformance": conformance,
+              "dflash-loss-memory": dflash_loss_memory}
 
 
 def extractor(theme: str):

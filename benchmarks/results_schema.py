@@ -113,6 +113,7 @@ THEMES: dict[str, dict[str, Any]] = {
     "call-overhead": {"env": dict, "rows": list, "rows[]": {"variant": str, "per_call_us": NUMBER, "ratio_to_none": NUMBER}},
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
+    "dflash-loss-memory": {"env": dict, "vocab": int, "dense_peak_bytes": int, "chunked_peak_bytes": int},
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
 

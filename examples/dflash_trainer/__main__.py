@@ -20,13 +20,14 @@ import typing
 
 from threadgraph import WorkerError, check_settings
 
-from .config import CHOICES, DATA_GROUP, TrainConfig
+from .config import CHOICES, DATA_GROUP, PRESETS, TrainConfig, apply_preset
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, bad_input_behind
 from .run.metrics import format_phases
 from .run.result import RunResult
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``defaults=False``: the fields' flags have none (a parse holds only those given)."""
     parser = argparse.ArgumentParser(prog="python -m examples.dflash_trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
@@ -35,12 +36,16 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         where = groups.get(field.metadata.get("group"), parser)
+        default = field.default if defaults else argparse.SUPPRESS
         if kind is bool:
-            where.add_argument(flag, action="store_true", default=field.default, help=field.metadata.get("help"))
+            where.add_argument(flag, action="store_true", default=default, help=field.metadata.get("help"))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        where.add_argument(flag, type=base, default=field.default, choices=CHOICES.get(field.name),
-                           help=_help(field))
+        where.add_argument(flag, type=base, default=default, choices=CHOICES.get(field.name), help=_help(field))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a set of settings: 'paper' = the DFlash paper's drafter (" + ", ".join(
+                            f"--{k.replace('_', '-')} {v:g}" for k, v in PRESETS["paper"].items())
+                        + ", so gamma 7); flags given beside it win")
     groups[DATA_GROUP].add_argument("--config", metavar="FILE", help=(
         "flags from a .toml or .yaml file (keys = the flags); flags given here override it; the run's settings "
         "are saved as OUT/config.toml, which --resume reads again"))
@@ -55,13 +60,16 @@ def _help(field: dataclasses.Field) -> str:
     return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
 
 
-def parse_flags(argv: list[str] | None) -> dict:
+def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
     """The parsed flags over the defaults of ``--config FILE``, or with ``--resume`` of the run's saved
-    settings (OUT/config.toml) where there are some."""
+    settings (OUT/config.toml) where there are some; and the TrainConfig fields set explicitly, on the
+    command line or in that file (a ``--preset`` leaves those as they are)."""
     from .run import config_file
 
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
     parser = _parser()
     args = vars(parser.parse_args(argv))
+    explicit = set(vars(_parser(defaults=False).parse_args(argv))) & fields
     path = args["config"]
     if path is None and args["resume"]:
         saved = os.path.join(args["out_dir"], config_file.SAVED)
@@ -69,24 +77,26 @@ def parse_flags(argv: list[str] | None) -> dict:
         if path is not None:
             print(f"dflash: --resume: using the settings saved in {saved}", file=sys.stderr)
     if path is not None:
-        parser.set_defaults(**config_file.load(path))
+        from_file = config_file.load(path)
+        parser.set_defaults(**from_file)
         args = vars(parser.parse_args(argv))
+        explicit |= set(from_file) & fields
     args.pop("config")
-    return args
+    return args, explicit
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = parse_flags(argv)
+        args, explicit = parse_flags(argv)
     except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    as_json, debug = args.pop("json"), args.pop("debug")
+    as_json, debug, preset = args.pop("json"), args.pop("debug"), args.pop("preset")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        config = TrainConfig(**args)
+        config = TrainConfig(**apply_preset(args, preset, explicit))
         check_settings()  # threadgraph's environment variables (THREADGRAPH_GATE_TIMEOUT)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -200,7 +210,8 @@ def _print_summary(r: RunResult) -> None:
     base, final = r.baseline or {}, r.eval or {}
     if final:
         meaningless = "  MEANINGLESS: the target has random weights" if report.get("random_weights") else ""
-        print(f"acceptance length tau {final['tau']:.3f}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
+        rests = f" over {final['prompts']} held-out prompts, {final['tokens']} tokens" if "prompts" in final else ""
+        print(f"acceptance length tau {final['tau']:.3f}{rests}  (random-init drafter {base.get('tau_random_init', float('nan')):.3f}, "
               f"repeat-last-token {base.get('tau_repeat_last_token', float('nan')):.3f}){meaningless}")
     print(f"startup {r.startup_s:.1f} s to the last worker's first steady step (build {r.build_s:.1f} s)")
     for name, w in r.workers.items():

@@ -13,6 +13,7 @@ from typing import Any
 
 from .assets.shapes import SHAPES
 from .data_chat import REASONING
+from .drafter.chunked_ce import DEFAULT_CHUNK_TOKENS
 
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -20,6 +21,12 @@ _COMPILE_MODES = ("auto", "eager", "reduce-overhead")
 _DTYPES = ("auto", "float32", "bfloat16")
 _CUDA_GRAPHS = ("trees", "whole-step")
 _TARGET_SHAPES = tuple(SHAPES)
+# --preset NAME: settings a flag group stands for; a flag given explicitly beside it wins.
+PRESETS = {
+    # The DFlash paper's drafter (section 4): 5 layers, block 16 (its gamma, 7, follows), 512 anchors,
+    # max length 3072.
+    "paper": dict(num_draft_layers=5, block_size=16, num_anchors=512, seq_len=3072),
+}
 CHOICES = {"compile": _COMPILE_MODES, "dtype": _DTYPES, "cuda_graphs": _CUDA_GRAPHS,
            "target_shape": _TARGET_SHAPES, "reasoning": REASONING}  # for the CLI
 DATA_GROUP = "data and logs"  # the CLI's group of the fields in it
@@ -82,6 +89,19 @@ class TrainConfig:
     # barrier) before the job fails naming the ranks that stopped making progress (NCCL and gloo).
     collective_timeout_s: float = 600.0
 
+    # ---- training at the paper's scale: the loss, accumulation, held-out evaluation, a start ----
+    # The loss through the target's LM head takes this many drafter outputs at a time, so the
+    # [tokens, vocab] logits are never whole (drafter/chunked_ce.py).
+    loss_chunk_tokens: int = dataclasses.field(default=DEFAULT_CHUNK_TOKENS, metadata={"help": (
+        "drafter outputs the loss takes through the LM head at a time (its logits are never held whole)")})
+    grad_accum: int = dataclasses.field(default=1, metadata={"help": (
+        "micro-batches of --batch-size per drafter step: trains like an N-times larger batch")})
+    eval_data: str | None = dataclasses.field(default=None, metadata={"help": (
+        "JSONL of held-out samples for tau (input_ids, and loss_mask marking the response); without it "
+        "the embedded eval prompts, or with --data a fixed split of it that training never reads")})
+    init_from: str | None = dataclasses.field(default=None, metadata={"help": (
+        "start from a DFlash drafter checkpoint directory in the z-lab or speculators format, of this "
+        "run's architecture")})
     # Data and run logs: chat reasoning, the token cache, TensorBoard (the CLI's "data and logs" group).
     reasoning: str = dataclasses.field(default="train", metadata={"group": DATA_GROUP, "help": (
         "reasoning (<think> blocks) of assistant turns: train on it, keep it as context only, or drop it")})
@@ -149,16 +169,19 @@ class TrainConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"out_dir must be a non-empty path, got {self.out_dir!r}")
         self.device_list  # validates the comma list
+        self._check_scale_settings()
         self._check_data_and_logs()
+
+    def _check_scale_settings(self) -> None:
+        for name in ("loss_chunk_tokens", "grad_accum"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_paths(self, ("eval_data", "init_from"))
 
     def _check_data_and_logs(self) -> None:
         _check_choice("reasoning", self.reasoning, REASONING)
         if not isinstance(self.no_data_cache, bool):
             raise ValueError(f"no_data_cache must be true or false, got {self.no_data_cache!r}")
-        for name in ("data_cache", "tensorboard"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"{name} must be a non-empty path or None, got {value!r}")
+        _check_paths(self, ("data_cache", "tensorboard"))
 
     @property
     def num_feature_layers(self) -> int:
@@ -234,3 +257,19 @@ def _check_float(name: str, value: Any, *, low: float, high: float | None = None
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def apply_preset(values: dict[str, Any], preset: str | None, explicit: set[str]) -> dict[str, Any]:
+    """``values`` (TrainConfig keyword arguments) with ``preset``'s settings, except those in ``explicit``."""
+    if preset is None:
+        return values
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    return {**values, **{k: v for k, v in PRESETS[preset].items() if k not in explicit}}
+
+
+def _check_paths(config: TrainConfig, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"{name} must be a non-empty path or None, got {value!r}")

@@ -1,6 +1,8 @@
 """Acceptance length tau by greedy speculative decoding (DFlash paper, temperature 0).
 
-Simple, not fast: no KV cache, the target re-reads the whole prefix at every step. Each step
+The target keeps a KV cache of the accepted tokens: each step it reads only the block it verifies,
+then the cache drops the rejected tokens (``kv_cache=False`` re-reads the whole prefix instead, the
+same tokens and tau). The drafter reads all context features at each step, as at inference. Each step
 drafts [last, MASK, ...], the target verifies the block in one forward, the matching prefix is
 accepted plus the target's own next token, and tau = mean(accepted + 1) over steps.
 """
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from .data import TokenData
+from .errors import InputError
 from .target import TargetModel
 
 # propose(tokens [T], context_features [T-1, n*H], block_size) -> draft tokens [block_size-1]
@@ -46,7 +49,7 @@ def repeat_last_token(tokens: torch.Tensor, context: torch.Tensor,
 @torch.no_grad()
 def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
                       prompts: Sequence[torch.Tensor], block_size: int, max_new_tokens: int,
-                      mask_token_id: int, stop_token_ids: Sequence[int] = ()) -> dict:
+                      mask_token_id: int, stop_token_ids: Sequence[int] = (), kv_cache: bool = True) -> dict:
     """Greedy speculative decoding of each prompt (1-D id tensors); returns
     {"tau", "steps", "tokens", "accepted_hist"}, where accepted_hist[j] counts steps that
     accepted j drafted tokens. Every step verifies a full block, so the last one may run past
@@ -65,7 +68,7 @@ def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
     try:
         for prompt in prompts:
             tokens_out += _decode(target, propose, prompt, block_size, max_new_tokens,
-                                  set(stop_token_ids), hist)
+                                  set(stop_token_ids), hist, kv_cache)
     finally:
         if was_training:
             drafter.train()
@@ -75,12 +78,14 @@ def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
 
 
 def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_size: int,
-            max_new_tokens: int, stop: set[int], hist: list[int]) -> int:
+            max_new_tokens: int, stop: set[int], hist: list[int], kv_cache: bool = True) -> int:
     """Generate for one prompt, adding each step's accepted count to `hist`; returns tokens made."""
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(f"each prompt must be a non-empty 1-D id tensor, got shape "
                          f"{tuple(prompt.shape)}")
     seq = prompt.to(target.device).long()
+    if kv_cache:
+        return _decode_cached(target, propose, seq, block_size, max_new_tokens, stop, hist)
     logits, features = target.logits_and_features(seq[None])
     seq = torch.cat([seq, logits[0, -1].argmax()[None]])  # prefill gives the first token
     context = features[0]  # features of every token except the newest
@@ -103,17 +108,66 @@ def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_
     return produced
 
 
-def held_out_prompts(eval_jsonl: Optional[str], data: TokenData, count: int) -> list[torch.Tensor]:
-    """Held-out prompts: the embedded eval file, else the prompt part of the last samples."""
-    if eval_jsonl is not None:
-        with open(eval_jsonl) as f:
-            return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
+def _decode_cached(target: TargetModel, propose: Proposer, seq: torch.Tensor, block_size: int,
+                   max_new_tokens: int, stop: set[int], hist: list[int]) -> int:
+    """_decode() with the target's KV cache: the cache holds every token but the newest."""
+    logits, context, cache = target.cached_logits_and_features(seq[None])
+    seq = torch.cat([seq, logits[0, -1].argmax()[None]])
+    context = context[0]
+    produced = 1
+    while produced < max_new_tokens and int(seq[-1]) not in stop:
+        draft = propose(seq, context, block_size).to(seq.device).long()
+        logits, features, cache = target.cached_logits_and_features(torch.cat([seq[-1:], draft])[None], cache)
+        posterior = logits[0].argmax(-1)  # the target's choice after each token of [last, draft]
+        accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
+        hist[accepted] += 1
+        new = torch.cat([draft[:accepted], posterior[accepted:accepted + 1]])
+        if stop:
+            hits = [i for i, t in enumerate(new.tolist()) if t in stop]
+            new = new[:hits[0] + 1] if hits else new
+        seq = torch.cat([seq, new])
+        produced += new.shape[0]
+        # The block's first len(new) tokens are the old newest token and the accepted drafts: now known.
+        context = torch.cat([context, features[0, :new.shape[0]]])
+        rejected = block_size - new.shape[0]  # the cache holds start + block_size tokens
+        if rejected:
+            cache.crop(-rejected)  # transformers' crop: a negative count removes that many from the end
+    return produced
+
+
+EVAL_SPLIT_SEED = 50_050  # the fixed split of --data: the same samples are held out whatever --seed is
+
+
+def prompts_of(data: TokenData, count: int) -> list[torch.Tensor]:
+    """The prompt parts (the tokens before the first response token) of the first ``count`` samples
+    of ``data`` that have one."""
     prompts = []
-    for ids, mask in zip(data.ids[-count:], data.loss_mask[-count:]):
+    for ids, mask in zip(data.ids, data.loss_mask):
         first_response = int(mask.nonzero()[0]) if mask.any() else ids.shape[0]
         if first_response > 0:
             prompts.append(ids[:first_response].long())
+        if len(prompts) == count:
+            break
     return prompts
+
+
+def split_held_out(data: TokenData, count: int) -> tuple[TokenData, TokenData]:
+    """(training, held out): ``count`` samples drawn with a fixed seed (EVAL_SPLIT_SEED) are held out
+    for evaluation and removed from the training data, which keeps its order."""
+    if len(data) <= count:
+        raise InputError(f"the data has {len(data)} samples, too few to hold {count} out for evaluation and train "
+                         f"on the rest; lower --eval-prompts or pass --eval-data FILE")
+    held = torch.zeros(len(data), dtype=torch.bool)
+    held[torch.randperm(len(data), generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))[:count]] = True
+    train, out = ~held, held
+    return (TokenData(data.ids[train], data.loss_mask[train], data.skipped),
+            TokenData(data.ids[out], data.loss_mask[out], 0))
+
+
+def read_prompts(eval_jsonl: str, count: int) -> list[torch.Tensor]:
+    """The first ``count`` prompts of an eval file of ``{"input_ids": [...]}`` lines (the embedded default's)."""
+    with open(eval_jsonl) as f:
+        return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()][:count]
 
 
 class Evaluator:
@@ -129,11 +183,13 @@ class Evaluator:
         self._stops = [t for t in (tokenizer.eos_token_id,) if t is not None] if tokenizer is not None else []
 
     def __call__(self, drafter: nn.Module) -> dict:
-        """{"tau", "steps", "accepted_hist"} of ``drafter``; empty without prompts."""
+        """{"tau", "steps", "accepted_hist", "prompts", "tokens"} of ``drafter``: tau, and the number of
+        held-out prompts and of generated tokens it rests on; empty without prompts."""
         if not self.prompts:
             return {}
         result = self._tau(drafter)
-        return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"]}
+        return {"tau": result["tau"], "steps": result["steps"], "accepted_hist": result["accepted_hist"],
+                "prompts": len(self.prompts), "tokens": result["tokens"]}
 
     def baselines(self, drafter: nn.Module) -> dict:
         """tau of the untrained drafter and of repeating the last token: what training must beat."""

@@ -22,17 +22,18 @@ from . import distributed
 from .assets import sizes
 from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
-from .data import ShardBatches, TokenData
+from .data import ShardBatches, TokenData, read_jsonl
 from .data_cache import data_cache_dir, read_cached
 from .errors import InputError
-from .eval import Evaluator, held_out_prompts
+from .eval import Evaluator, prompts_of, read_prompts, split_held_out
 from .run.metrics import MetricsLogger, TrainingLog
 from .placement import available_devices
 from .policy import ExecutionPolicy
 from .drafter.replica import DrafterReplica, SharedDrafterWeights
 from .schedule import Schedule
 from .drafter.step import METRIC_NAMES
-from .target import SharedTargets, TargetSource
+from .target import SharedTargets, TargetModel, TargetSource
+from .export.init_from import PublishedDrafter, read_published
 from .target_stage import TargetStage, example_item
 
 log = logging.getLogger("dflash")
@@ -85,6 +86,8 @@ class Pipeline:
     checkpointer: Checkpointer
     eval_jsonl: Optional[str]
     target_report: Optional[dict]
+    held_out: Optional[TokenData] = None  # evaluation's samples (--eval-data, or the split of --data)
+    init_from: Optional[PublishedDrafter] = None  # the drafter the replicas start from (--init-from)
 
     @classmethod
     def build(cls, config: TrainConfig) -> Pipeline:
@@ -92,6 +95,10 @@ class Pipeline:
         (distributed.init_from_env comes first, where there is one)."""
         devices = distributed.local_devices(available_devices(config.device_list))
         policy = ExecutionPolicy.resolve(config, devices)
+        if config.target_shape is not None:  # refused before the embedded assets or the shape are built
+            from .assets.shapes import shape_num_params
+
+            sizes.check(config, *shape_num_params(config.target_shape), policy.target_dtype, devices)
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()
@@ -99,6 +106,15 @@ class Pipeline:
         sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
         data = read_cached(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size,
                            reasoning=config.reasoning, cache_dir=data_cache_dir(config))
+        held_out = None  # evaluation's samples, when they come from --eval-data or a split of --data
+        if config.eval_data is not None:
+            held_out = read_jsonl(config.eval_data, tokenizer=shape.tokenizer, seq_len=config.seq_len,
+                                  vocab_size=shape.vocab_size, reasoning=config.reasoning)
+            eval_jsonl = None
+        elif eval_jsonl is None and config.eval_every:  # --target with --data: a fixed split training never reads
+            data, held_out = split_held_out(data, config.eval_prompts)
+            log.info("dflash: %d samples of --data held out for evaluation (a fixed split; --eval-data FILE "
+                     "replaces it), %d left to train on", len(held_out), len(data))
         rank, world = distributed.rank_and_world()
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.
@@ -110,9 +126,13 @@ class Pipeline:
             sizes.check_checkpoint_room(config, shape.config, num_params, saves)
         if checkpointer.resume_from is not None and checkpointer.start_step >= schedule.total_steps:
             raise RunFinished(checkpointer.resume_from, checkpointer.start_step)
+        init_from = None  # a resumed run continues from its checkpoint, not from --init-from again
+        if config.init_from is not None and checkpointer.resume_from is None:
+            init_from = _published_drafter(config, shape)
         return cls(config=config, devices=devices, policy=policy, rank=rank, world=world,
                    targets=SharedTargets(source), data=data,
-                   schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report)
+                   schedule=schedule, checkpointer=checkpointer, eval_jsonl=eval_jsonl, target_report=report,
+                   held_out=held_out, init_from=init_from)
 
     @property
     def start_step(self) -> int:
@@ -120,11 +140,12 @@ class Pipeline:
 
     def batches(self, shard: int) -> ShardBatches:
         """Target shard ``shard``'s batches: global batch b belongs to shard b % targets, and step s
-        of the run takes batches s * drafters .. s * drafters + drafters - 1."""
+        of the run takes batches s * drafters * grad_accum .. (s + 1) * drafters * grad_accum - 1."""
         cfg = self.config
+        per_step = cfg.drafters * cfg.grad_accum
         return ShardBatches(self.data, cfg.batch_size, seed=cfg.seed, shard=shard, num_shards=cfg.targets,
-                            rank=self.rank, world_size=self.world, first=self.start_step * cfg.drafters,
-                            end=self.schedule.total_steps * cfg.drafters)
+                            rank=self.rank, world_size=self.world, first=self.start_step * per_step,
+                            end=self.schedule.total_steps * per_step)
 
     def target_stage(self, device: torch.device) -> TargetStage:
         return TargetStage(self.targets.get(device), self.policy, num_anchors=self.config.num_anchors)
@@ -134,7 +155,7 @@ class Pipeline:
         """A drafter replica restored from the resume checkpoint, if any, on the device's shared
         target. ``weights`` and ``steps_optimizer``: see drafter.replica.SharedDrafterWeights."""
         return DrafterReplica(self.config, self.policy, self.schedule, self.targets.get(device),
-                              self.checkpointer, weights=weights, steps_optimizer=steps_optimizer)
+                              self.checkpointer, weights=weights, steps_optimizer=steps_optimizer, init=self.init_from)
 
     @functools.cached_property
     def example_batch(self) -> tuple[torch.Tensor, ...]:
@@ -149,16 +170,33 @@ class Pipeline:
 
     def evaluator(self, device: torch.device) -> Evaluator:
         cfg = self.config
-        prompts = held_out_prompts(self.eval_jsonl, self.data, cfg.eval_prompts)
+        if self.held_out is not None:
+            prompts = prompts_of(self.held_out, cfg.eval_prompts)
+        elif self.eval_jsonl is not None:
+            prompts = read_prompts(self.eval_jsonl, cfg.eval_prompts)
+        else:
+            prompts = []
         return Evaluator(self.targets.get(device), prompts, block_size=cfg.block_size, max_new_tokens=cfg.eval_max_new_tokens,
                          autocast_dtype=self.policy.autocast_dtype)
 
     def training_log(self, metrics: Optional[MetricsLogger], progress: Optional[Callable[[dict], None]]) -> TrainingLog:
         cfg = self.config
         return TrainingLog(metric_names=METRIC_NAMES, start_step=self.start_step,
-                           tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * self.world,
+                           tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * cfg.grad_accum * self.world,
                            lr_at=lambda step: cfg.lr * self.schedule.lr_factor(step), base_lr=cfg.lr,
                            checkpoint_dir=self.checkpointer.directory, metrics=metrics, progress=progress)
+
+
+def _published_drafter(config: TrainConfig, shape: TargetModel) -> PublishedDrafter:
+    """The --init-from checkpoint, checked against the run's drafter (built on the meta device: no memory)."""
+    from .drafter.model import DFlashDrafter
+
+    published = read_published(config.init_from)
+    with torch.device("meta"):
+        probe = DFlashDrafter.from_target_config(shape.config, shape.embed_tokens, shape.lm_head,
+                                                 config.num_draft_layers, config.num_feature_layers)
+    published.check(probe.arch, shape.layer_ids, config.block_size, shape.mask_token_id)
+    return published
 
 
 def _read_json(path) -> Optional[dict]:

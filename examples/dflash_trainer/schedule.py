@@ -15,9 +15,9 @@ class Schedule:
 
     @classmethod
     def for_run(cls, config: TrainConfig, num_samples: int, world: int) -> Schedule:
-        """``--max-steps``, else ``--epochs`` passes over the data, each step taking a batch per
-        drafter replica of every process; warmup is ``--warmup-ratio`` of it (at least 1 step)."""
-        per_step = config.batch_size * config.drafters * world
+        """``--max-steps``, else ``--epochs`` passes over the data, each step taking ``--grad-accum``
+        batches per drafter replica of every process; warmup is ``--warmup-ratio`` of it (at least 1 step)."""
+        per_step = config.batch_size * config.drafters * config.grad_accum * world
         steps = config.max_steps or max(1, num_samples // per_step) * config.epochs
         return cls.of(steps, config.warmup_ratio)
 

@@ -148,6 +148,14 @@ class TargetModel:
                          output_hidden_states=True, use_cache=False)
         return out.logits, self._select(out.hidden_states)
 
+    @torch.no_grad()
+    def cached_logits_and_features(self, ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """logits_and_features() of ``ids`` [1,T] that follow the tokens ``cache`` holds (None: none),
+        with transformers' KV cache: (logits [1,T,V], features [1,T,n*H], the cache, now holding them too).
+        ``cache.crop(-k)`` drops its last k tokens (eval: the rejected draft tokens)."""
+        out = self.model(input_ids=ids, past_key_values=cache, output_hidden_states=True, use_cache=True)
+        return out.logits, self._select(out.hidden_states), out.past_key_values
+
     def _select(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # Index 0 of hidden_states is the embedding output, so layer i's output is i + 1.
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)

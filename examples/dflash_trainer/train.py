@@ -75,7 +75,8 @@ def _run(config: TrainConfig, progress: Optional[Callable[[dict], None]], contro
     distributed.init_from_env(config.collective_timeout_s)
     parts = Pipeline.build(config)
     placement = place(config.targets, config.drafters, parts.devices)
-    handoff = Handoff(config.drafters, first_step=parts.start_step, capacity=config.channel_capacity)
+    handoff = Handoff(config.drafters, first_step=parts.start_step * config.grad_accum,  # rounds of D batches
+                      capacity=config.channel_capacity)
     leader = parts.rank == 0
     outdir.clear_overwritten(config, leader=leader)  # the inputs are checked by now
     if leader:

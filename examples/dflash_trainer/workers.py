@@ -135,9 +135,13 @@ class DrafterWorker(_Worker):
                 replica.warm_up(example(self.device))
                 self.phases.mark("compile_ahead")
         try:
+            # --grad-accum: all but the step's last micro-batch (their time shows in the wait_batch phase)
+            for micro in range(replica.grad_accum - 1):
+                replica.forward_backward(self.handoff.get(self.index, self.device), micro)
             batch = self.handoff.get(self.index, self.device)
             self.phases.mark("wait_batch")
-            replica.train_step(batch, average=self._average, updated=self._updated, mark=self.phases.mark)
+            replica.train_step(batch, average=self._average, updated=self._updated, mark=self.phases.mark,
+                               micro=replica.grad_accum - 1)
         except _WOKEN:  # from the hand-off or the averager's waits
             if self.stopping:  # the run stopped (or a peer failed): leave quietly
                 return

@@ -71,3 +71,22 @@ def test_stop_token_ends_the_prompt(target, prompts):
     result = acceptance_length(target, repeat_last_token, prompts[:1], BS, 50, MASK,
                                stop_token_ids=[int(first)])
     assert result["steps"] == 0 and result["tokens"] == 1 and result["tau"] == 1.0
+
+
+def test_the_kv_cache_decodes_what_rereading_the_prefix_decodes(target, prompts):
+    """An oracle that gets a varying number of tokens right: rejected tokens must leave the cache,
+    and the features handed to the drafter must be those of a full forward."""
+    def partly_right(tokens, context, block_size):
+        torch.testing.assert_close(context, target.features(tokens[None, :-1])[0], rtol=1e-4, atol=1e-5)
+        draft = _greedy(target, tokens, block_size - 1)
+        wrong = tokens.shape[0] % block_size  # 0 .. block_size - 1: the first wrong slot, if any
+        if wrong < draft.shape[0]:
+            draft[wrong] = (draft[wrong] + 1) % 290
+        return draft
+
+    for block in (4, 8):
+        cached = acceptance_length(target, partly_right, prompts, block, max_new_tokens=20, mask_token_id=MASK)
+        reread = acceptance_length(target, partly_right, prompts, block, max_new_tokens=20, mask_token_id=MASK,
+                                   kv_cache=False)
+        assert cached == reread
+        assert sum(cached["accepted_hist"][1:]) > 0 and cached["accepted_hist"][0] > 0  # some accepted, some not

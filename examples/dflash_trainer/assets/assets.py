@@ -52,6 +52,10 @@ __all__ = ["BuildSpec", "CacheDirError", "DefaultAssets", "default_assets", "def
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "THREADGRAPH_CACHE"
+# Measured on 2 CPU cores: about 2 min with the cores to itself, 11 - 18 min in the builds of the trainer
+# README's table (benchmarks/results); it follows the CPU time free for it.
+BUILD_TIME = ("the default spec took 2 - 18 min on 2 CPU cores, depending on the other work sharing them; "
+              "more cores are faster")
 
 @dataclass(frozen=True)
 class DefaultAssets:
@@ -138,8 +142,8 @@ def default_assets(cache_dir: str | os.PathLike[str] | None = None, force: bool 
             logger.info("default assets: built by another process while waiting: %s", assets.root)
             return assets
         remove_leftovers(root, name)
-        logger.info("default assets: building %s once (the default spec takes about 2-4 "
-                    "minutes on 2 CPU cores; later calls load the cache)", assets.root)
+        logger.info("default assets: building %s once (%s; later calls load the cache)", assets.root,
+                    BUILD_TIME if spec == BuildSpec() else "a build of another spec")
         tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

@@ -38,8 +38,8 @@ REPORT_FILE = "target_report.json"
 
 @dataclass(frozen=True)
 class BuildSpec:
-    """Sizes of the default-asset build. The defaults are the real build (about
-    2 minutes on 2 CPU cores); :meth:`tiny` is a seconds-long build for tests."""
+    """Sizes of the default-asset build. The defaults are the real build (assets.BUILD_TIME: minutes,
+    following the CPU cores free for it); :meth:`tiny` is a seconds-long build for tests."""
 
     corpus_max_bytes: int = 3_000_000
     heldout_every: int = 10  # about 1 file in this many goes to the held-out split

@@ -3,13 +3,15 @@
 The embedded default target has 1.7M parameters: it gives the GPU about 0.3 ms of work per batch,
 so it measures launch and GIL overheads only. A target of a published Qwen3 shape gives the GPU the
 work of a real target. Its weights are random (a fixed seed from a private ``torch.Generator``), so
-an acceptance length measured against it means nothing; its tokenizer is the embedded default's
-(vocabulary and data stay the embedded 2000 tokens), so the embedded ``train.jsonl`` feeds it.
+an acceptance length measured against it means nothing. Its embedding and LM head have Qwen3's
+151,936 rows (``QWEN3_VOCAB``), so the LM head and the drafter's loss through it weigh what they weigh
+in a real run; its tokenizer is the embedded default's, so the embedded ``train.jsonl`` (token ids below
+2000) drives it, and the DFlash mask token is the first row past that tokenizer.
 
 Built once and cached beside the default assets, as an ordinary HF directory (``config.json``,
 safetensors, sharded above ``MAX_SHARD``, tokenizer files) that ``--target DIR`` also loads::
 
-    <root>/dflash-shape-<name>-on-<assets dir name>/
+    <root>/dflash-shape-<name>-vocab151936-on-<assets dir name>/
         config.json, model*.safetensors, tokenizer files, shape_report.json
 """
 
@@ -25,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,11 +36,13 @@ from .assets import (DefaultAssets, default_cache_root, exclusive_lock, remove_l
 from ..errors import EXIT_BAD_INPUT, BadInput
 from .capacity import GiB, free_bytes
 
-__all__ = ["SHAPES", "RANDOM_WEIGHTS_WARNING", "NoRoomToBuild", "TargetShape", "qwen3_config", "shape_target"]
+__all__ = ["SHAPES", "QWEN3_VOCAB", "RANDOM_WEIGHTS_WARNING", "NoRoomToBuild", "TargetShape", "qwen3_config",
+           "shape_num_params", "shape_target"]
 
 logger = logging.getLogger(__name__)
 
 SEED = 0
+QWEN3_VOCAB = 151_936  # rows of every published Qwen3's embedding and LM head
 MAX_SHARD = "5GB"  # the 4b and larger targets are saved in shards of at most this
 INIT_STD = 0.02  # Qwen3's initializer_range: what HF's own init draws Linear and Embedding weights with
 _REPORT = "shape_report.json"
@@ -51,7 +56,7 @@ class NoRoomToBuild(BadInput):
 
 @dataclass(frozen=True)
 class TargetShape:
-    """The sizes of one Qwen3 layout (everything but the vocabulary, which is the tokenizer's)."""
+    """The sizes of one Qwen3 layout (everything but the vocabulary: QWEN3_VOCAB rows for all)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -77,16 +82,24 @@ SHAPES = {
 }
 
 
-def qwen3_config(name: str, vocab: dict):
-    """The ``Qwen3Config`` of shape ``name`` with the embedded tokenizer's vocabulary.
-
-    ``vocab``: ``vocab_size``, ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` (from the
-    embedded target's config, whose embedding has spare rows for the DFlash mask token)."""
+def qwen3_config(name: str, vocab: dict | None = None):
+    """The ``Qwen3Config`` of shape ``name``: Qwen3's 151,936-row vocabulary, and the embedded
+    tokenizer's ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` from ``vocab`` (None: sizes only)."""
     from transformers import Qwen3Config
 
     if name not in SHAPES:
         raise ValueError(f"unknown target shape {name!r}; choose one of {sorted(SHAPES)}")
-    return Qwen3Config(**dataclasses.asdict(SHAPES[name]), **vocab, dtype="bfloat16")
+    return Qwen3Config(**dataclasses.asdict(SHAPES[name]), **(vocab or {}), vocab_size=QWEN3_VOCAB, dtype="bfloat16")
+
+
+def shape_num_params(name: str) -> tuple[Any, int]:
+    """(config, parameter count) of shape ``name``, from a model on the meta device: no memory, no build."""
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(name)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    return config, sum(p.numel() for p in model.parameters())
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,7 @@ def shape_target(name: str, assets: DefaultAssets, cache_dir: str | os.PathLike[
     if name not in SHAPES:
         raise ValueError(f"unknown target shape {name!r}; choose one of {sorted(SHAPES)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    dirname = f"dflash-shape-{name}-on-{assets.root.name}"
+    dirname = f"dflash-shape-{name}-vocab{QWEN3_VOCAB}-on-{assets.root.name}"
     final = root / dirname
     if _complete(final):
         return ShapeTarget(final, json.loads((final / _REPORT).read_text()))
@@ -138,8 +151,9 @@ def _build(name: str, assets: DefaultAssets, out: Path, device: str) -> None:
 
     t0 = time.perf_counter()
     embedded = AutoConfig.from_pretrained(str(assets.target_dir), local_files_only=True)
-    vocab = {k: getattr(embedded, k) for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    vocab = {k: getattr(embedded, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = qwen3_config(name, vocab)
+    vocab["vocab_size"] = QWEN3_VOCAB
     # Built on the meta device, then given bfloat16 storage on `device`: no float32 copy, and no
     # change to torch's process-global default dtype (hazard global-default-dtype).
     with torch.device("meta"):

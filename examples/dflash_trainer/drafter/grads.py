@@ -58,3 +58,35 @@ def make_optimizer(params: list[torch.Tensor], *, lr: float, weight_decay: float
         lr = torch.tensor(lr, dtype=torch.float32, device=params[0].device)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                              fused=params[0].is_cuda, capturable=capturable)
+
+
+class GradAccumulator:
+    """``--grad-accum N``: N micro-batches make one step, with the gradient of an N-times larger batch.
+
+    Each micro-batch's loss is its ``sum(w * CE) / sum(w)``, so its gradient is ``G_i / W_i``; the
+    larger batch's is ``sum(G_i) / sum(W_i)``. After micro-batch i this adds ``grads * W_i`` to a
+    buffer of its own (the step's metrics too, the loss weighted alike), and after the last it writes
+    the quotient back into ``grads``, ready for the average over replicas and the update. Device ops
+    only: ``W_i`` is the weight sum the step left in ``grads.extras`` (drafter.step.METRIC_NAMES)."""
+
+    def __init__(self, grads: FlatGrads, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"GradAccumulator needs at least 1 micro-batch a step, got {steps}")
+        self.grads, self.steps = grads, steps
+        self.total = torch.zeros_like(grads.buffer) if steps > 1 else None
+
+    def add(self, micro: int) -> None:
+        """Fold micro-batch ``micro`` (0 .. steps - 1) in; after the last, ``grads`` holds the step's."""
+        if self.total is None:
+            return
+        g, total = self.grads, self.total
+        loss, weight = g.extras[0:1], g.extras[1:2]
+        if micro == 0:
+            total.zero_()
+        total[:g.numel].add_(g.grads * weight)
+        total[g.numel:].add_(torch.cat([loss * weight, weight, g.extras[2:]]))
+        if micro == self.steps - 1:
+            weight_sum = total[g.numel + 1:g.numel + 2].clamp(min=1e-6)
+            g.grads.copy_(total[:g.numel] / weight_sum)
+            g.extras.copy_(torch.cat([total[g.numel:g.numel + 1] / weight_sum, total[g.numel + 1:g.numel + 2],
+                                      total[g.numel + 2:] / self.steps]))

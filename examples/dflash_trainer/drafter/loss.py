@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .chunked_ce import DEFAULT_CHUNK_TOKENS, chunked_head_cross_entropy
+
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,14 +119,32 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor,
     return (w * ce).sum() / weight_sum.clamp(min=1e-6), weight_sum
 
 
+def dflash_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                     *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dflash_loss() of the logits ``hidden @ head_weight.T`` without holding them: the cross-entropy
+    runs ``chunk_tokens`` outputs at a time (chunked_ce). Returns (loss, weight_sum, argmax [B,Q])."""
+    total, predicted = chunked_head_cross_entropy(hidden, head_weight, labels, weights,
+                                                  chunk_tokens=chunk_tokens, dtype=dtype)
+    weight_sum = weights.float().sum()
+    return total / weight_sum.clamp(min=1e-6), weight_sum, predicted
+
+
 @torch.no_grad()
 def dflash_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 accuracy over weighted outputs, and at k=1 alone (the first drafted token,
     which bounds acceptance). Both are 0-dim float tensors; no host sync."""
+    return prediction_accuracy(logits.argmax(-1), labels, weights, block_size)
+
+
+@torch.no_grad()
+def prediction_accuracy(predicted: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                        block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dflash_accuracy() given the argmax tokens ``predicted`` [B,Q] instead of the logits."""
     counted = (weights > 0).float()
-    correct = (logits.argmax(-1) == labels).float() * counted
-    q = torch.arange(labels.shape[1], device=logits.device)
+    correct = (predicted == labels).float() * counted
+    q = torch.arange(labels.shape[1], device=labels.device)
     first = (q % block_size == 1).float()  # 1 at each block's k=1
     acc = correct.sum() / counted.sum().clamp(min=1.0)
     acc_first = (correct * first).sum() / (counted * first).sum().clamp(min=1.0)

@@ -219,6 +219,13 @@ class DFlashDrafter(nn.Module):
                 ctx_pos: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """block_ids [B,Q], features [B,C,n*H], q_pos [B,Q], ctx_pos [B,C],
         attn_mask [B,Q,C+Q] bool (True = may attend; None = all visible) -> logits [B,Q,V]."""
+        hidden = self.hidden(block_ids, features, q_pos, ctx_pos, attn_mask)
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def hidden(self, block_ids: torch.Tensor, features: torch.Tensor, q_pos: torch.Tensor,
+               ctx_pos: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """forward() up to the LM head: the last hidden states [B,Q,H] (training takes the loss
+        through the head a chunk at a time, drafter.chunked_ce)."""
         dtype = self.fc.weight.dtype
         x = self.embed_tokens(block_ids).to(dtype)
         context = self.hidden_norm(self.fc(features.to(dtype)))
@@ -228,8 +235,7 @@ class DFlashDrafter(nn.Module):
             mask = _see_self(attn_mask)[:, None]  # broadcast over heads
         for layer in self.layers:
             x = layer(x, context, self.rotary, q_pos, kv_pos, mask)
-        hidden = self.norm(x)
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        return self.norm(x)
 
 
 def _see_self(mask: torch.Tensor) -> torch.Tensor:

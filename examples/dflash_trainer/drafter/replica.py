@@ -26,12 +26,13 @@ import torch
 from ..run.checkpoint import Checkpointer
 from ..run.metrics import HISTORY_ROWS
 from ..config import TrainConfig
-from .grads import FlatGrads, make_optimizer
+from .grads import FlatGrads, GradAccumulator, make_optimizer
 from .model import DFlashDrafter
 from ..policy import ExecutionPolicy
 from ..schedule import Schedule
 from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
 from ..target import TargetModel
+from ..export.init_from import PublishedDrafter, load_into
 
 
 class SharedDrafterWeights:
@@ -70,7 +71,7 @@ class SharedDrafterWeights:
 class DrafterReplica:
     def __init__(self, config: TrainConfig, policy: ExecutionPolicy, schedule: Schedule, target: TargetModel,
                  checkpointer: Optional[Checkpointer] = None, *, weights: Optional[SharedDrafterWeights] = None,
-                 steps_optimizer: bool = True) -> None:
+                 steps_optimizer: bool = True, init: Optional[PublishedDrafter] = None) -> None:
         # The drafter borrows the frozen embedding and LM head of ``target``, on its device.
         device = target.device
         # Identical initial weights in every replica and process, whatever other threads do.
@@ -78,6 +79,8 @@ class DrafterReplica:
             target.config, target.embed_tokens, target.lm_head, config.num_draft_layers, config.num_feature_layers,
             generator=torch.Generator().manual_seed(config.seed),
         )
+        if init is not None:  # --init-from: a published drafter's weights instead of the random ones
+            load_into(drafter, init)
         self.total_steps = schedule.total_steps
         self.step = checkpointer.start_step if checkpointer is not None else 0  # optimizer steps done
         if weights is not None:
@@ -99,8 +102,11 @@ class DrafterReplica:
             checkpointer.restore(self.drafter, self.optimizer, self.scheduler)
         step_fn = policy.compile(
             make_step_fn(self.drafter, block_size=config.block_size, gamma=config.gamma_value,
-                         mask_token_id=target.mask_token_id, autocast_dtype=policy.autocast_dtype)
+                         mask_token_id=target.mask_token_id, autocast_dtype=policy.autocast_dtype,
+                         loss_chunk_tokens=config.loss_chunk_tokens)
         )
+        self.grad_accum = config.grad_accum  # micro-batches a step (GradAccumulator)
+        self._accumulator = GradAccumulator(self.grads, config.grad_accum)
         self._forward_backward = policy.graph(make_forward_backward(step_fn, self.grads))
         # [loss, weight_sum, acc, acc_k1, grad_norm] of the latest steps (a ring), read by the training log.
         self.history = torch.zeros(min(schedule.total_steps, HISTORY_ROWS), len(METRIC_NAMES) + 1, device=device)
@@ -113,23 +119,30 @@ class DrafterReplica:
     def finished(self) -> bool:
         return self.step >= self.total_steps
 
-    def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
+    def forward_backward(self, batch: dict[str, torch.Tensor], micro: int = 0) -> None:
+        """Gradients of micro-batch ``micro`` of the step; after the last of ``grad_accum`` of them
+        ``grads`` holds the step's (the one micro-batch, without accumulation)."""
         self._forward_backward(batch["ids"], batch["loss_mask"], batch["features"], batch["anchors"], batch["keep"])
+        self._accumulator.add(micro)
 
     def warm_up(self, item: dict[str, torch.Tensor]) -> None:
         """Forward-backward once on an example hand-off item, so that a compiled step (``compiles``)
         compiles and warms up before real batches arrive (with CUDAGraph Trees the first real
         call then records its graph). What it leaves in the gradients is zeroed by the next
-        forward-backward; the weights and the optimizer are untouched."""
-        self.forward_backward(item)
+        forward-backward, and the accumulator restarts at the next micro-batch 0; the weights and
+        the optimizer are untouched."""
+        self._forward_backward(item["ids"], item["loss_mask"], item["features"], item["anchors"], item["keep"])
 
     def train_step(self, batch: dict[str, torch.Tensor], *, average: Optional[Callable[[FlatGrads], Any]] = None,
-                   updated: Optional[Callable[[], Any]] = None, mark: Optional[Callable[[str], Any]] = None) -> None:
+                   updated: Optional[Callable[[], Any]] = None, mark: Optional[Callable[[str], Any]] = None,
+                   micro: int = 0) -> None:
         """One optimizer step on ``batch``: forward-backward, ``average(grads)`` if given (the mean
         over the replicas, in place), the update, then ``updated()`` if given (returns once the
         shared weights are stepped). ``mark(phase)`` is called after "forward_backward",
-        "average" (only with ``average``) and "optimizer"."""
-        self.forward_backward(batch)
+        "average" (only with ``average``) and "optimizer". With ``--grad-accum N`` the step's first
+        N - 1 micro-batches went through ``forward_backward(batch, micro)`` first, and ``batch`` is
+        the last (``micro`` N - 1)."""
+        self.forward_backward(batch, micro)
         if mark is not None:
             mark("forward_backward")
         if average is not None:

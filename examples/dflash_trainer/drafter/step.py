@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
-from .loss import anchors_from_scores, block_positions, build_blocks, dflash_accuracy, dflash_attention_mask, dflash_loss, labels_and_weights
+from .loss import (anchors_from_scores, block_positions, build_blocks, dflash_attention_mask, dflash_head_loss,
+                   labels_and_weights, prediction_accuracy)
+from .chunked_ce import DEFAULT_CHUNK_TOKENS
 from .grads import FlatGrads
 from .model import DFlashDrafter
 
@@ -21,7 +23,10 @@ StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def make_step_fn(drafter: DFlashDrafter, *, block_size: int, gamma: float, mask_token_id: int,
-                 autocast_dtype: torch.dtype | None) -> StepFn:
+                 autocast_dtype: torch.dtype | None, loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> StepFn:
+    """The loss of one batch and its metrics; the LM head's logits are never whole (loss.dflash_head_loss)."""
+    head_dtype = autocast_dtype or drafter.lm_head.weight.dtype  # what the head's matmul runs in under the step's autocast
+
     def drafter_loss(ids, loss_mask, features, anchors, keep):
         b, s = ids.shape
         autocast = (
@@ -32,10 +37,11 @@ def make_step_fn(drafter: DFlashDrafter, *, block_size: int, gamma: float, mask_
             q_pos = block_positions(anchors, block_size)
             ctx_pos = torch.arange(s, device=ids.device).expand(b, s)
             mask = dflash_attention_mask(anchors, keep, s, block_size)
-            logits = drafter(block_ids, features, q_pos, ctx_pos, mask)
+            hidden = drafter.hidden(block_ids, features, q_pos, ctx_pos, mask)
         labels, weights = labels_and_weights(ids, loss_mask, anchors, keep, block_size, gamma)
-        loss, weight_sum = dflash_loss(logits, labels, weights)
-        acc, acc_first = dflash_accuracy(logits, labels, weights, block_size)
+        loss, weight_sum, predicted = dflash_head_loss(hidden, drafter.lm_head.weight, labels, weights,
+                                                       chunk_tokens=loss_chunk_tokens, dtype=head_dtype)
+        acc, acc_first = prediction_accuracy(predicted, labels, weights, block_size)
         return loss, torch.stack([loss.detach(), weight_sum, acc, acc_first])
 
     return drafter_loss

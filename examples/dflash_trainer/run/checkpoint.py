@@ -43,7 +43,7 @@ _WRITTEN = re.compile(r"(\.tmp_)?step_\d{8}|latest|\.latest\.tmp")
 # its order, the loss, and the optimiser's schedule.
 RESUME_KEYS = ("target", "target_shape", "data", "seq_len", "block_size", "num_anchors", "num_draft_layers",
                "num_target_layers_used", "gamma", "batch_size", "targets", "drafters", "seed", "lr", "warmup_ratio",
-               "grad_clip", "weight_decay", "epochs", "max_steps", "reasoning")
+               "grad_clip", "weight_decay", "epochs", "max_steps", "reasoning", "grad_accum")
 
 
 PATH_KEYS = ("target", "data")
