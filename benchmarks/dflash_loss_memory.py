@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"vocab": args.vocab, "tokens": args.tokens, "hidden": args.hidden, "chunk_tokens": chunk,
                "dtype": "float32", "dense_peak_bytes": dense, "chunked_peak_bytes": chunked,
                "chunked_over_dense": round(chunked / dense, 4),
-               "method": "fresh process per measurement; peak resident size (VmHWM, reset by /proc/self/clear_refs "
+               "method": "fresh process per measurement; peak resident size (VmHWM, reset through procfs clear_refs "
                          "just before the work) minus the resident size before it; MALLOC_MMAP_THRESHOLD_=65536"}
     if not args.skip_step:
         step = _run_child(["step", json.dumps(STEP_SHAPE), str(args.vocab), str(chunk)])
