@@ -51,14 +51,20 @@ class TokenData:
         return self.ids.shape[0]
 
 
-def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: int | None = None,
-               pad_id: int | None = None, reasoning: str = "train") -> TokenData:
-    """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
+def check_data_file(path: str | Path) -> None:
+    """Raise ``DataError`` unless ``path`` is a regular file: checked before anything is built."""
     path = Path(path)
     if not path.is_file():
         problem = ("is a directory" if path.is_dir() else "is not a regular file (a device or a pipe)"
                    if path.exists() else "does not exist")
         raise DataError(f"data file {path} {problem}; pass a JSONL file ({_FORMATS})")
+
+
+def read_jsonl(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: int | None = None,
+               pad_id: int | None = None, reasoning: str = "train") -> TokenData:
+    """Read a JSONL file; `vocab_size` (embedding rows) defaults to len(tokenizer)."""
+    path = Path(path)
+    check_data_file(path)
     lines = _count_lines(path)
     logger.info("tokenizing %d lines of %s", lines, path)
     with path.open("rb") as raw:

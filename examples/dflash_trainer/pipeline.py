@@ -22,7 +22,7 @@ from . import distributed
 from .assets import sizes
 from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
-from .data import ShardBatches, TokenData, read_jsonl
+from .data import ShardBatches, TokenData, check_data_file, read_jsonl
 from .data_cache import data_cache_dir, read_cached
 from .errors import InputError
 from .eval import Evaluator, prompts_of, read_prompts, split_held_out
@@ -54,6 +54,9 @@ def data_digest(data: TokenData) -> str:
 
 def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Optional[dict]]:
     """(target_dir, train_jsonl, eval_jsonl or None, target report or None)."""
+    for path in (config.data, config.eval_data):  # a bad file is refused before the default assets are built
+        if path is not None:
+            check_data_file(path)
     if config.target_shape is not None:  # random weights of a real size on the embedded tokenizer and data
         from .assets.assets import default_assets
         from .assets.shapes import RANDOM_WEIGHTS_WARNING, shape_target

@@ -114,12 +114,12 @@ def test_a_worker_that_fails_after_a_checkpoint_names_itself_and_the_checkpoint(
 
     real, calls = replica.DrafterReplica.forward_backward, []
 
-    def forward_backward(self, batch):
+    def forward_backward(self, batch, *args, **kwargs):
         if threading.current_thread().name == "drafter-1":
             calls.append(1)
             if len(calls) == 4:  # after the step-2 checkpoint
                 raise RuntimeError("injected failure")
-        return real(self, batch)
+        return real(self, batch, *args, **kwargs)
 
     monkeypatch.setattr(replica.DrafterReplica, "forward_backward", forward_backward)
     monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr

@@ -120,6 +120,9 @@ def prepare(config: TrainConfig, *, leader: bool) -> Optional[RunLock]:
 
 def _check_fresh(config: TrainConfig, out: Path) -> None:
     held = held_run(out) if out.is_dir() else []
+    if config.resume and f"{CHECKPOINTS}/" not in held:  # said before anything is built or loaded
+        raise OutDirError(f"--resume: --out-dir {out} holds no checkpoint to resume from; start over: drop --resume "
+                          f"and pass --overwrite, or choose a new --out-dir")
     if not held or config.resume or config.overwrite:
         return
     if held == [METRICS]:
