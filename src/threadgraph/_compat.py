@@ -82,7 +82,7 @@ def require(module_path: str, attribute: str) -> Any:
     except AttributeError:
         raise UnsupportedTorchError(
             f"threadgraph needs {module_path}.{attribute}, which torch {torch.__version__} lacks; "
-            "this torch is not supported (threadgraph supports 2.1 - 2.15), please report it at " + ISSUES_URL
+            "threadgraph cannot patch it; please report it at " + ISSUES_URL
         ) from None
 
 

@@ -212,7 +212,7 @@ def _warn_on_unpatched_generation_reads() -> None:
     if readers:
         message = (f"threadgraph: this torch's CUDAGraphTreeManager reads the global generation counters in "
                    f"{', '.join(readers)}, outside {', '.join(_compat.GENERATION_READERS)}; there workers can "
-                   "still end each other's generations (hazard global-generation). Please report it")
+                   f"still end each other's generations (hazard global-generation). Please report it at {_compat.ISSUES_URL}")
         log.warning(message)
         warnings.warn(message, ThreadgraphWarning, stacklevel=3)
 
