@@ -30,8 +30,9 @@ def test_toml_and_yaml_files_give_the_flags_and_the_command_line_wins(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("seq-len: 48\nreasoning: keep\nno_data_cache: true\n")
     for path in (toml, yaml_file):
-        args = cli.parse_flags(["--config", str(path), "--reasoning", "drop"])
+        args, explicit = cli.parse_flags(["--config", str(path), "--reasoning", "drop"])
         assert (args["seq_len"], args["reasoning"], args["no_data_cache"]) == (48, "drop", True)
+        assert {"seq_len", "reasoning", "no_data_cache"} <= explicit  # a --preset leaves them as given
 
 
 @pytest.mark.parametrize("text, suffix, said", [

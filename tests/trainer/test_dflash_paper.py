@@ -72,8 +72,8 @@ def test_the_estimate_of_a_drafter_step_is_within_20_percent_of_its_measured_pea
     layers' saved tensors is what is checked (the benchmark checks the paper-shaped mix)."""
     shape = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=512, layers=2, feature_layers=2,
                  batch=2, seq_len=256, anchors=48, block_size=16)
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dflash_loss_memory.py"), "--child", "step",
-                           json.dumps(shape), "151936", "128"], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.dflash_loss_memory", "--child", "step",
+                           json.dumps(shape), "151936", "128"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -78,8 +78,9 @@ def test_a_warmer_with_other_weights_leaves_the_runs_compile_a_cache_hit(part, t
     assert warmer["fxgraph_cache_miss"] >= 1 and not warmer["fxgraph_cache_hit"], warmer
     run = _compile(part, tiny_config(tiny_assets, tmp_path / "run"), cache)
     assert run["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not run["inductor"].get("fxgraph_cache_miss"), run
-    if part == "drafter":  # forward and backward: AOTAutograd's cache holds the pair
-        assert run["aot"].get("autograd_cache_hit") == 1 and not run["aot"].get("autograd_cache_miss"), run
+    if part == "drafter":  # forward and backward both from Inductor's cache; AOTAutograd's own cache passes the
+        # chunked loss's autograd.Function by (a bypass), so its trace runs again, but never misses
+        assert run["inductor"].get("fxgraph_cache_hit", 0) >= 2 and not run["aot"].get("autograd_cache_miss"), run
 
 
 # The warmer's main() with its compile replaced: an atexit hook as slow as Inductor's compile-worker
