@@ -126,9 +126,10 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
 
     @functools.wraps(compiled)
     def compiled_in_turn(*args: Any, **kwargs: Any) -> Any:
-        # Under Dynamo (a compiled caller inlining this one) the check folds to True. A settled code
-        # is remembered here: hashing its key (a code object) costs more than the rest of the check.
-        if is_tracing() or settled_at[0] == _Forgotten.count:
+        # A settled code is remembered here: hashing its key (a code object) costs more than this.
+        # A compiled caller does not trace this body: Dynamo inlines _torchdynamo_inline, which
+        # functools.wraps copied from compiled; where it does trace it, is_tracing() folds to True.
+        if settled_at[0] == _Forgotten.count or is_tracing():
             return compiled(*args, **kwargs)
         if key in _done:
             settled_at[0] = _Forgotten.count
