@@ -18,28 +18,26 @@ from threadgraph._per_thread import ThreadCount
 _fx_tracing = ThreadCount()  # FX traces the calling thread is inside
 
 
-class _OpenTraces:
-    """FX traces open in all threads together: while none is, no thread needs its own count read."""
-
-    count = 0
-    lock = threading.Lock()
-
-    def add(self, step: int) -> None:
-        with self.lock:
-            self.count += step
+# FX traces open in all threads together: while none is, no thread needs its own count read. A module
+# global, not an attribute: is_fx_symbolic_tracing reads it on every call of a compiled function.
+_open_traces = 0
+_open_lock = threading.Lock()
 
 
-_open = _OpenTraces()
+def _add_open(step: int) -> None:
+    global _open_traces
+    with _open_lock:
+        _open_traces += step
 
 
 def fx_trace_marks_thread(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    _open.add(1)
+    _add_open(1)
     _fx_tracing.value += 1
     try:
         return wrapped(*args, **kwargs)
     finally:
         _fx_tracing.value -= 1
-        _open.add(-1)
+        _add_open(-1)
 
 
 # Upstream's rules, on this thread's own tracing instead of any thread's.
@@ -53,7 +51,7 @@ def fx_symbolic_tracing_in_this_thread(original: Callable[[], bool]) -> Callable
     thread's count only while some thread traces."""
 
     def is_fx_symbolic_tracing() -> bool:
-        return _open.count > 0 and _fx_tracing.value > 0 and not torch.compiler.is_compiling()
+        return _open_traces > 0 and _fx_tracing.value > 0 and not torch.compiler.is_compiling()
 
     is_fx_symbolic_tracing.__threadgraph_original__ = original  # type: ignore[attr-defined]
     is_fx_symbolic_tracing.__wrapped__ = original  # type: ignore[attr-defined]
