@@ -1,16 +1,16 @@
 """Render the committed results: the results index and the generated sections of the pages.
 
     python -m benchmarks index [--check]     # benchmarks/results/README.md, one row per headline of every JSON
-    python -m benchmarks readme [--check]    # README.md, docs/results.md, docs/projection.md, the trainer's README
+    python -m benchmarks readme [--check]    # README.md, docs/results.md, the trainer's README
 
 ``--check`` writes nothing and exits 1 when a file is stale. Every results file is read through
 ``results_schema.load`` and its figures worded by ``headlines.py``; each section takes the newest
 file of what it shows (``results_schema.recency``), and every link is relative to its page.
 
-A figure lands only where its hardware matches the claim: the README's headlines, the tables of
-docs/results.md and docs/projection.md speak of GPUs and take GPU runs only (``gpu_runs``), so a CPU
-run never reaches them; the CPU figures (tau and the build of the embedded default on a CPU) are
-labelled CPU where they appear. The index lists every file with the machine that wrote it.
+A figure lands only where its hardware matches the claim: the README's headlines and the tables of
+docs/results.md speak of GPUs and take GPU runs only (``gpu_runs``), so a CPU run never reaches
+them; the CPU figures (tau and the build of the embedded default on a CPU) are labelled CPU where
+they appear. The index lists every file with the machine that wrote it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import headlines, projection
+from . import headlines
 from . import results_schema as schema
 from .results_schema import Results, ResultsError, sequential_training, startup_comparable, timed_alike
 
@@ -177,14 +177,6 @@ def newest_runs(folder: Path) -> list[Results]:
     return [newest[k] for k in sorted(newest, key=lambda k: (*_shape_rank(k[1]), k[2], schema.release(k[0])))]
 
 
-def matrix_release(runs: list[Results]) -> str | None:
-    """The torch release with the most (shape, graphs) runs, the newer on a tie (the projection's)."""
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.torch] = counts.get(r.torch, 0) + 1
-    return max(counts, key=lambda t: (counts[t], schema.release(t))) if counts else None
-
-
 def _shape_rank(shape: str) -> tuple[int, float, str]:
     if shape in EMBEDDED_ORDER:
         return 0, EMBEDDED_ORDER.index(shape), shape
@@ -241,7 +233,7 @@ def _span(values, fmt: str) -> str:
     return low if low == high else f"{low} - {high}"
 
 
-# -- the trainer's README and docs/projection.md -------------------------------------------------------
+# -- the trainer's README -------------------------------------------------------------------------------
 
 def measured(folder: Path, prefix: str = "") -> str:
     """tau and the embedded default's build time as measured ranges, each labelled with where it ran:
@@ -289,20 +281,12 @@ def measured(folder: Path, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def seed_projection(folder: Path, prefix: str = "") -> str:
-    """docs/projection.md's table (projection.py) from the newest GPU run per shape and mode."""
-    runs = newest_runs(folder)
-    main = matrix_release(runs)
-    return projection.section([r for r in runs if r.torch == main], lambda r: link(r, prefix))
-
-
 # -- the pages ----------------------------------------------------------------------------------------
 
 # Each page, relative to the repository root, and its generated sections with what renders them.
 PAGES = {
     "README.md": (("readme-headlines", readme_headlines),),
     "docs/results.md": (("results-headlines", other_headlines), ("dflash-table", table)),
-    "docs/projection.md": (("seed-projection", seed_projection),),
     "examples/dflash_trainer/README.md": (("dflash-measured", measured),),
 }
 

@@ -1,5 +1,5 @@
 """python -m benchmarks readme (benchmarks/render.py): the generated sections of README.md,
-docs/results.md, docs/projection.md and the trainer's README are a function of the committed
+docs/results.md and the trainer's README are a function of the committed
 results, and a GPU claim takes GPU runs only (a CPU run never reaches it); the README stays one
 screen, keeps .ci/run's test command, and every relative link of the pages points to a file that
 exists."""
@@ -50,7 +50,6 @@ def _readme(tmp_path):
     (root / "README.md").write_text("# x\n\n<!-- readme-headlines:begin -->\n<!-- readme-headlines:end -->\n")
     (root / "examples" / "dflash_trainer" / "README.md").write_text(
         "# t\n\n<!-- dflash-measured:begin -->\nold\n<!-- dflash-measured:end -->\n")
-    (root / "docs" / "projection.md").write_text("# p\n\n<!-- seed-projection:begin -->\n<!-- seed-projection:end -->\n")
     path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
                     "<!-- results-headlines:begin -->\n<!-- results-headlines:end -->\n\nafter\n")
@@ -250,22 +249,6 @@ def _fence_matrix(results, torch, date, unfenced_errors):
     name = f"fence-matrix_nvidia-h200_torch{torch}_{date}.json"
     (results / name).write_text(json.dumps({"cells": [], "repro": repro}))
     return name
-
-
-def test_the_projection_finds_where_the_gil_saturates_one_process_of_eight_gpus(tmp_path):
-    root, results = _root_with_results(tmp_path)
-    shown = _result(results, "0.6b", "trees", "2026-12-02", 160_000.0)
-    run = json.loads((results / shown).read_text())
-    run.update(gpu_ms_per_batch=8.0, host_gil_ms_per_batch=2.0, ratio_threaded_to_gpu_bound=0.5,
-               ratio_sequential_to_gpu_bound=0.9)
-    (results / shown).write_text(json.dumps(run))
-    row = next(line for line in render.seed_projection(results).splitlines() if line.startswith("| 0.6b"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:6] == ["8.00", "2.00", "4.0", "0.50 / 1.00: the GIL saturates first: threads reach 0.50 of one process per GPU"]
-    assert cells[6] == "0.50, 0.90" and shown in cells[7]
-    run.update(host_gil_ms_per_batch=0.25)  # 32 GPUs' worth: the GIL is at most a quarter busy on 8
-    (results / shown).write_text(json.dumps(run))
-    assert "1.00 / 1.00: threads match one process per GPU (the GIL at most half busy)" in render.seed_projection(results)
 
 
 def test_the_repro_headline_quotes_the_newest_torch_where_it_raised_and_says_where_it_does_not(tmp_path):
