@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import headlines
 from . import results_schema as schema
-from .results_schema import Results, ResultsError, sequential_training, startup_comparable, timed_alike
+from .results_schema import Results, ResultsError
 
 ROOT = Path(__file__).resolve().parent.parent
 # docs/results.md's other results, in its order: the newest GPU file of each theme per torch release.
@@ -159,9 +159,14 @@ def other_headlines(folder: Path, prefix: str = "") -> str:
     newest = {(r.theme, r.torch): r for r in gpu_runs(folder) if r.theme in HEADLINE_THEMES}
     if not newest:
         return "No GPU results committed yet: run those of `benchmarks/README.md`, then `python -m benchmarks readme`."
+    keys = sorted(newest, key=lambda k: (HEADLINE_THEMES.index(k[0]), schema.release(k[1])))
+    return headline_rows([newest[k] for k in keys], prefix)
+
+
+def headline_rows(runs: list[Results], prefix: str) -> str:
+    """A table of every headline of ``runs``, in their order, each with its GPU, torch and file."""
     lines = ["| benchmark | configuration | figure | GPU | torch | results |", "|---|---|---|---|---|---|"]
-    for key in sorted(newest, key=lambda k: (HEADLINE_THEMES.index(k[0]), schema.release(k[1]))):
-        r = newest[key]
+    for r in runs:
         for configuration, figure in headlines.extractor(r.theme)(r.data):
             lines.append(f"| {r.theme} | {configuration} | {figure} | {r.machine} | {r.torch} | {link(r, prefix)} |")
     return "\n".join(lines)
@@ -186,46 +191,12 @@ def _shape_rank(shape: str) -> tuple[int, float, str]:
         return 2, 0.0, shape
 
 
-def _num(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if abs(value) >= 1000:
-        return f"{value / 1000:.0f}k" if abs(value) < 1e6 else f"{value / 1e6:.2f}M"
-    return f"{value:.{digits}f}"
-
-
-def _target(data: dict) -> str:
-    shape, params = data["shape"], data.get("target_params")
-    if shape == "default":
-        return "embedded default (toy): launch-bound smoke case"
-    return f"Qwen3-{shape.upper()} shape, random init" + (f" ({params / 1e9:.2f}B params)" if params else "")
-
-
-def how_measured(data: dict) -> str:
-    """How a run's sequential side was trained and timed, beside its ratio."""
-    sequential = data["sequential"]
-    timing = ("both sides timed alike" if timed_alike(sequential)
-              else "not timed alike: the threaded side partly under torch.profiler")
-    return f"{sequential_training(sequential)}; {timing}"
-
-
 def table(folder: Path, prefix: str = "") -> str:
+    """The DFlash throughput table: the headlines of newest_runs (each figure says how its run was measured)."""
     runs = newest_runs(folder)
     if not runs:
         return "No GPU `dflash-throughput` results committed yet (`benchmarks/README.md`, Running on a GPU)."
-    columns = ("target", "graphs", "threaded tokens/s", "sequential tokens/s", "threaded / sequential",
-               "sequential loop", "startup s threaded / sequential", "results")
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for run in runs:
-        d = run.data
-        startup = f"{_num(d.get('startup_s_threaded'), 0)} / {_num(d.get('startup_s_sequential'), 0)}"
-        if not startup_comparable(d["sequential"]):
-            startup += f" ({headlines.RESTART})"
-        cells = [_target(d), d["graphs"], _num(d.get("tokens_per_s_threaded")), _num(d.get("tokens_per_s_sequential")),
-                 _num(d.get("ratio")), how_measured(d), startup,
-                 f"{link(run, prefix)} ({d['env'].get('gpu')}, torch {d['env'].get('torch')})"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return headline_rows(runs, prefix)
 
 
 def _span(values, fmt: str) -> str:

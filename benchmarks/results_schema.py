@@ -34,13 +34,6 @@ EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 AS_THREADED = "as threaded"
 
 
-def sequential_training(sequential: dict) -> str:
-    """What a dflash-throughput sequential cell trained, in words (``AS_THREADED``)."""
-    if sequential.get("training") == AS_THREADED:
-        return "the threads' own training: their replicas, the mean gradient, one AdamW step a round a device"
-    return "one drafter replica a device, AdamW after every batch, no gradient averaging"
-
-
 def timed_alike(sequential: dict) -> bool:
     """Whether a dflash-throughput run timed its two cells alike: no profiler before or during either
     timed span, a median of windows on both; its sequential cell then has ``windows_tokens_per_s``."""

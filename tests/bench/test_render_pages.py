@@ -23,13 +23,15 @@ def render_readme(argv):
 
 def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", sequential_cache=None, torch="2.11.0",
             devices="cuda:0", alike=True):
-    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": torch}, "args": {"devices": devices},
-            "threaded": {},
+    data = {"shape": shape, "graphs": graphs, "env": {"date": date, "gpu": gpu, "torch": torch},
+            "args": {"devices": devices, "cuda_graphs": graphs},
+            "threaded": {"tokens_per_s": tokens_threaded},
             "tokens_per_s_threaded": tokens_threaded, "tokens_per_s_sequential": 250_000.0, "ratio": tokens_threaded / 250e3,
             "gpu_bound_tokens_per_s": 260_000.0, "ratio_threaded_to_gpu_bound": tokens_threaded / 260e3,
             "ratio_sequential_to_gpu_bound": 250 / 260, "startup_s_threaded": 41.0, "startup_s_sequential": 20.5, "startup_ratio": 2.0,
             "host_gil_ms_per_batch": 2.5, "projected_gpus_per_process": 6.6, "target_params": 442_564_608}
     data["sequential"] = {"compile_phases_s": {}} if sequential_cache is None else {"inductor_cache": sequential_cache}
+    data["sequential"]["tokens_per_s"] = 250_000.0
     if alike:  # trained and timed as the threads are: a median of windows
         data["sequential"].update(windows_tokens_per_s=[250_000.0], training="as threaded")
     name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch{torch}_{date}.json"
@@ -66,6 +68,7 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     _result(results, "0.6b", "trees", "2026-11-30", 100_000.0)
     newest = _result(results, "0.6b", "trees", "2026-12-01", 240_000.0)
     toy = _result(results, "default", "whole-step", "2026-12-01", 700_000.0)
+    unlike = _result(results, "8b", "trees", "2026-12-01", 30_000.0, alike=False)
     readme = _readme(tmp_path)
     argv = _argv(results, readme)
     assert render_readme(argv) == 0
@@ -73,11 +76,12 @@ def test_table_is_rendered_deterministically_from_the_newest_run_per_shape_and_m
     assert render_readme(argv) == 0 and readme.read_text() == first
     table = first.split("<!-- dflash-table:begin -->")[1].split("<!-- dflash-table:end -->")[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 2
-    assert "launch-bound smoke case" in rows[0] and toy in rows[0]  # the toy first, labelled
-    assert newest in rows[1] and "240k" in rows[1] and "0.96" in rows[1] and "Qwen3-0.6B shape" in rows[1]
-    assert "| 41 / 20 |" in rows[1]  # startup threaded / sequential
-    assert "| the threads' own training" in rows[1] and "both sides timed alike |" in rows[1]
+    assert len(rows) == 3
+    assert "| default target, whole-step, 1 GPU |" in rows[0] and toy in rows[0]  # the toy first
+    assert newest in rows[1] and "| 0.6b target, Trees, 1 GPU |" in rows[1]
+    assert ("threaded 240k tokens/s, sequential 250k: 0.96x; GPU-bound limit 260k; "
+            "startup 41 s threaded, 20 s sequential |") in rows[1]
+    assert unlike in rows[2] and "0.12x (a sequential loop of more optimizer work, the two sides not timed alike)" in rows[2]
     assert first.startswith("# x\n\nbefore\n\n") and first.endswith("\n\nafter\n")
     assert render_readme(argv + ["--check"]) == 0
 
@@ -106,8 +110,8 @@ def test_a_sequential_startup_on_the_threaded_cells_cache_is_marked_and_given_no
         (results / name).write_text(json.dumps(data))
     readme = _readme(tmp_path)
     assert render_readme(_argv(results, readme)) == 0
-    row = next(line for line in readme.read_text().splitlines() if "Qwen3-8B shape" in line)
-    assert "| 41 / 20 (on the threaded cell's cache) |" in row
+    row = next(line for line in readme.read_text().splitlines() if "8b target" in line)
+    assert "startup 41 s threaded, 20 s sequential (on the threaded cell's cache) |" in row
 
 
 def test_other_headlines_come_from_each_themes_newest_file_and_a_scenarios_last_phase(tmp_path):
