@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import common
 from . import results_schema
-from .headlines import fence_variant
+from .headlines import fence_variant, option
 
 MODULE = "tests.helpers.gpu_scenarios"
 FENCE_MODULE = "tests.library.gpu_fence_scenarios"
@@ -145,10 +145,6 @@ def collect(folder: Path, label: str, out_dir: Path) -> Path:
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
     return common.save(path, data)
-
-
-def option(args: list, name: str, default: str) -> str:
-    return args[args.index(name) + 1] if name in args else default
 
 
 def fence_entry(record: dict) -> dict:

@@ -47,9 +47,9 @@ def replay(data: dict) -> list:
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     devices = len(data["sequential"].get("devices", [])) or 1
-    device = device_word(data)
+    device, ratio = device_word(data), "-" if data["ratio"] is None else f"{data['ratio']:.2f}"
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
-              f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
+              f"{_kilo(data['sequential'].get('tokens_per_s'))}: {ratio}x")
     caveats = [*([] if data["sequential"].get("training") == AS_THREADED else ["a sequential loop of more optimizer work"]),
                *([] if timed_alike(data["sequential"]) else ["the two sides not timed alike"])]
     if caveats:
@@ -66,10 +66,6 @@ def dflash_throughput(data: dict) -> list:
 def _kilo(value) -> str:
     """Thousands, as the headlines give tokens/s; '-' for a figure a failed cell left out."""
     return "-" if value is None else f"{value / 1e3:.0f}k"
-
-
-def _fixed(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def tau_reproducibility(data: dict) -> list:
@@ -137,8 +133,12 @@ def fence_matrix(data: dict) -> list:
 
 def fence_variant(cell: dict) -> str:
     """A fence scenario's variant: its result's, else its arguments' (a run that printed no result)."""
-    args = cell.get("args", [])
-    return cell.get("variant") or (args[args.index("--variant") + 1] if "--variant" in args else "fenced")
+    return cell.get("variant") or option(cell.get("args", []), "--variant", "fenced")
+
+
+def option(args: list, name: str, default: str) -> str:
+    """A scenario's option from its arguments."""
+    return args[args.index(name) + 1] if name in args else default
 
 
 def fence_overhead(data: dict) -> list:

@@ -40,11 +40,6 @@ def gpu_runs(folder: Path) -> list[Results]:
     return [r for r in schema.load_folder(folder) if r.machine != "cpu"]
 
 
-def newest_gpu(folder: Path, theme: str) -> Results | None:
-    found = [r for r in gpu_runs(folder) if r.theme == theme]
-    return found[-1] if found else None
-
-
 def figures(path: Path) -> str:
     """A results file's key figures (its theme's headlines) as a table: what a run prints once it wrote
     the file, as the index words them."""
@@ -91,7 +86,7 @@ def readme_headlines(folder: Path, prefix: str = "") -> str:
 
 
 def _conformance(folder: Path, prefix: str) -> str | None:
-    r = newest_gpu(folder, "conformance")
+    r = schema.newest(gpu_runs(folder), "conformance")
     if r is None:
         return None
     d = r.data
@@ -112,18 +107,13 @@ def _repro(folder: Path, prefix: str) -> str | None:
     if not raised:
         return None
     r = raised[-1]
-    fenced, unfenced = _repro_rows(r)
+    fenced, unfenced = (" ".join(figure.split()[:3]) for figure in _repro_rows(r))  # '20 of 20' of '20 of 20 runs clean'
     clean = [c for c in gpu_runs(folder) if c.theme == "fence-matrix" and schema.release(c.torch) > schema.release(r.torch)
              and _repro_rows(c)[1].startswith("0 of")]
     tail = f"; on torch {clean[-1].torch} it does not raise without threadgraph either" if clean else ""
     return (f"- **pytorch#123177 fixed**: its repro (32 plain threads drawing random inputs around one compiled "
-            f"function) ran clean in {_of(fenced)} runs with threadgraph and raised in {_of(unfenced)} without it "
+            f"function) ran clean in {fenced} runs with threadgraph and raised in {unfenced} without it "
             f"(torch {r.torch}; {link(r, prefix)}){tail}.")
-
-
-def _of(figure: str) -> str:
-    """'20 of 20' from a fence-matrix headline figure ('20 of 20 runs clean')."""
-    return " ".join(figure.split()[:3])
 
 
 def scaling(data: dict, task: str = "train") -> dict:
@@ -137,7 +127,7 @@ def scaling(data: dict, task: str = "train") -> dict:
 
 def _scaling(folder: Path, prefix: str) -> str | None:
     """Which graphs mode scales across GPUs in threads, from the newest GPU replay-dflash run."""
-    r = newest_gpu(folder, "replay-dflash")
+    r = schema.newest(gpu_runs(folder), "replay-dflash")
     found = scaling(r.data) if r is not None else {}
     if "whole-step" not in found or "reduce-overhead" not in found:
         return None
@@ -210,7 +200,7 @@ def measured(folder: Path, prefix: str = "") -> str:
     """tau and the embedded default's build time as measured ranges, each labelled with where it ran:
     the tau reproducibility runs (CPU, float32) and the GPU trainer startup runs (bfloat16)."""
     lines = []
-    repro = schema.newest(folder, "dflash-tau-reproducibility")
+    repro = schema.newest(schema.load_folder(folder), "dflash-tau-reproducibility")
     if repro is not None:
         env, builds = repro.data["env"], repro.data["builds"]
         runs = [b["run"] for b in builds if b.get("run")]
@@ -228,7 +218,7 @@ def measured(folder: Path, prefix: str = "") -> str:
             lines.append(f"- building the embedded default (tokenizer, target, data) on the {device}: "
                          f"{_span([s / 60 for s in build_s], '{:.1f}')} min per build over {len(build_s)} builds "
                          f"({where}; {link(repro, prefix)}).")
-    startup = newest_gpu(folder, "dflash-trainer-startup")
+    startup = schema.newest(gpu_runs(folder), "dflash-trainer-startup")
     if startup is not None:
         env = startup.data.get("env", {})
         runs = [run for name, run in schema.trainer_runs_of(startup.data).items() if name]

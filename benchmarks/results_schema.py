@@ -222,10 +222,10 @@ def load_folder(folder: Path) -> list[Results]:
     return [load(p) for p in sorted(Path(folder).glob("*.json"), key=lambda p: recency(p.name))]
 
 
-def newest(folder: Path, theme: str) -> Optional[Results]:
-    """The newest file of exactly ``theme``, or None."""
-    found = [p for p in Path(folder).glob(f"{theme}_*.json") if (n := parse_name(p.name)) and n.theme == theme]
-    return load(max(found, key=lambda p: recency(p.name))) if found else None
+def newest(runs: list[Results], theme: str) -> Optional[Results]:
+    """The newest of ``runs`` (oldest first, as ``load_folder`` gives them) of exactly ``theme``, or None."""
+    found = [r for r in runs if r.theme == theme]
+    return found[-1] if found else None
 
 
 def misnamed(folder: Path) -> list[str]:
