@@ -5,22 +5,21 @@
     THREADGRAPH_GPU_LOG=fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
     python -m benchmarks fence-matrix fence-log
 
-With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` writes every scenario run's
-record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
+``tests/helpers/gpu_process.py`` writes each scenario run's record (``<tag>.json``: arguments, exit
+status, seconds, the result it printed) to the folder THREADGRAPH_GPU_LOG names.
 
-``gpu-scenarios`` turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase,
-named by ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
-(a file of that date gets the phase added; a label it already has is refused). The trainer runs of
-the trainer's GPU tests (``python -m examples.dflash_trainer``) are kept too, each as its mode, steps,
-losses, steady tokens/s and startup. A run that failed is kept as ``{"error": ...}``; with the junit
-XML in the folder the phase also holds every test's outcome (``pytest_outcomes``).
+``gpu-scenarios`` adds the records of ``tests/helpers/gpu_scenarios.py``'s scenarios and of the
+trainer's GPU runs (``python -m examples.dflash_trainer``: mode, steps, losses, steady tokens/s,
+startup) as one phase, named by ``--label`` and the time of the last record, to
+``gpu-scenarios_<gpu>_torch<version>_<date>.json`` (a label the file has is refused); with the junit
+XML in the folder the phase holds every test's outcome (``pytest_outcomes``).
 ``THREADGRAPH_GPU_STEPS=1000`` gives the 1000-step figures of docs/results.md.
 
-``fence-matrix`` turns the records of ``tests/library/gpu_fence_scenarios.py`` (run and asserted on by
-``tests/library/test_gpu_fence.py``; this script asserts nothing) into
-``fence-matrix_<gpu>_torch<version>_<date>.json``: every cell of the matrix (a plain thread's eager op
-class beside 3 workers' warm-ups and recordings, training and inference, with and without the fence)
-and pytorch#123177's repro runs by variant; a run that printed no result is kept with its exit status.
+``fence-matrix`` writes the records of ``tests/library/gpu_fence_scenarios.py`` (asserted on by
+``tests/library/test_gpu_fence.py``, not here) to ``fence-matrix_<gpu>_torch<version>_<date>.json``:
+every cell of the matrix (a plain thread's eager op class beside 3 workers' warm-ups and recordings,
+training and inference, fenced and unfenced) and pytorch#123177's repro runs by variant.
+A run that failed is kept with its exit status.
 """
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ from typing import Optional
 
 from .results_schema import AS_THREADED, family, startup_comparable, timed_alike, trainer_runs_of
 
-MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
-              "compile": "compile"}
+MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees"}  # other modes by their own name
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
 
 

@@ -3,14 +3,10 @@
     python -m benchmarks index [--check]     # benchmarks/results/README.md, one row per headline of every JSON
     python -m benchmarks readme [--check]    # README.md, docs/results.md, the trainer's README
 
-``--check`` writes nothing and exits 1 when a file is stale. Every results file is read through
-``results_schema.load`` and its figures worded by ``headlines.py``; each section takes the newest
-file of what it shows (``results_schema.recency``), and every link is relative to its page.
-
-A figure lands only where its hardware matches the claim: the README's headlines and the tables of
-docs/results.md speak of GPUs and take GPU runs only (``gpu_runs``), so a CPU run never reaches
-them; the CPU figures (tau and the build of the embedded default on a CPU) are labelled CPU where
-they appear. The index lists every file with the machine that wrote it.
+``--check`` writes nothing and exits 1 when a file is stale. Every file is read through
+``results_schema.load`` and worded by ``headlines.py``; each section takes the newest file of what it
+shows, and every link is relative to its page. The README's headlines and docs/results.md's tables
+take GPU runs only (``gpu_runs``); the CPU figures (tau, the build of the embedded default) say CPU.
 """
 
 from __future__ import annotations
@@ -252,12 +248,8 @@ PAGES = {
 }
 
 
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-
-
 def _replace(text: str, section: str, body: str, page: str) -> str:
-    begin, end = markers(section)
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
         raise ResultsError(page, section, f"the page must hold {begin} once, then {end} once")
     head, rest = text.split(begin)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -187,8 +186,7 @@ def validate(file_name: str, data: Any) -> Name:
     return name
 
 
-@dataclass(frozen=True)
-class Results:
+class Results(NamedTuple):
     """One checked results file: its header (from the name) and its JSON."""
     path: Path
     theme: str
