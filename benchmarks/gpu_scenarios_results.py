@@ -134,7 +134,7 @@ def collect(folder: Path, label: str, out_dir: Path) -> Path:
     gpu, torch_version = identity(records)
     last = last_record_time(records)
     env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
-    path = out_dir / f"{common.results_stem(env, 'gpu-scenarios')}.json"
+    path = out_dir / f"{results_schema.stem(env, 'gpu-scenarios')}.json"
     data = results_schema.load(path).data if path.exists() else {}
     if any(name.split(" ")[0] == label for name in data):
         raise SystemExit(f"{path} already has a phase {label!r}: give another --label")

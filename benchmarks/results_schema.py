@@ -119,10 +119,6 @@ def family(theme: str) -> str:
                    "and its headlines to benchmarks/headlines.py")
 
 
-def _kind(types) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-
-
 def _check_fields(file: str, data: dict, fields: dict, where: str = "") -> None:
     for field, types in fields.items():
         if field.endswith("[]"):
@@ -135,7 +131,8 @@ def _check_fields(file: str, data: dict, fields: dict, where: str = "") -> None:
             raise ResultsError(file, where + field, "missing")
         value, allowed = data[field], types if isinstance(types, tuple) else (types,)
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # True is an int too
-            raise ResultsError(file, where + field, f"expected {_kind(types)}, found {type(value).__name__}")
+            kind = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ResultsError(file, where + field, f"expected {kind}, found {type(value).__name__}")
 
 
 def trainer_runs_of(data: dict) -> dict:
