@@ -78,17 +78,11 @@ def _trainer_run(name: str, run: dict) -> tuple:
     gpus = len(set(re.findall(r"cuda:\d+", run["placement"])))
     base = run["baseline"]
     where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
+    build = f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""
+    startup = "" if run.get("startup_s") is None else f"; startup {run['startup_s']:.0f} s{build}"
     return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {where}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
-            f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s"
-            + _startup(run))
-
-
-def _startup(run: dict) -> str:
-    if run.get("startup_s") is None:
-        return ""
-    build = f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""
-    return f"; startup {run['startup_s']:.0f} s{build}"
+            f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s{startup}")
 
 
 def dflash_trainer(data: dict) -> list:
