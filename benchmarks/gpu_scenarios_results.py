@@ -5,23 +5,21 @@
     THREADGRAPH_GPU_LOG=fence-log python -m pytest -m gpu -n 4 tests/library/test_gpu_fence.py
     python -m benchmarks fence-matrix fence-log
 
-With THREADGRAPH_GPU_LOG naming a folder, ``tests/helpers/gpu_process.py`` writes every scenario run's
-record (``<tag>.json``: arguments, exit status, seconds, the result it printed) beside its log.
+``tests/helpers/gpu_process.py`` writes each scenario run's record (``<tag>.json``: arguments, exit
+status, seconds, the result it printed) to the folder THREADGRAPH_GPU_LOG names.
 
-``gpu-scenarios`` turns the records of ``tests/helpers/gpu_scenarios.py``'s scenarios into one phase,
-named by ``--label`` and the time of the last record, of ``gpu-scenarios_<gpu>_torch<version>_<date>.json``
-(a file of that date gets the phase added; a label it already has is refused). The trainer runs of
-the trainer's GPU tests (``python -m examples.dflash_trainer``) are kept too, each as its mode, steps,
-losses, steady tokens/s and startup; a folder of trainer runs only names its GPU with ``--gpu`` (their
-records name torch, not the GPU). A run that failed is kept as ``{"error": ...}``; with the junit XML
-in the folder the phase also holds every test's outcome (``pytest_outcomes``).
+``gpu-scenarios`` adds the records of ``tests/helpers/gpu_scenarios.py``'s scenarios and of the
+trainer's GPU runs (``python -m examples.dflash_trainer``: mode, steps, losses, steady tokens/s,
+startup) as one phase, named by ``--label`` and the time of the last record, to
+``gpu-scenarios_<gpu>_torch<version>_<date>.json`` (a label the file has is refused); with the junit
+XML in the folder the phase holds every test's outcome (``pytest_outcomes``).
 ``THREADGRAPH_GPU_STEPS=1000`` gives the 1000-step figures of docs/results.md.
 
-``fence-matrix`` turns the records of ``tests/library/gpu_fence_scenarios.py`` (run and asserted on by
-``tests/library/test_gpu_fence.py``; this script asserts nothing) into
-``fence-matrix_<gpu>_torch<version>_<date>.json``: every cell of the matrix (a plain thread's eager op
-class beside 3 workers' warm-ups and recordings, training and inference, with and without the fence)
-and pytorch#123177's repro runs by variant; a run that printed no result is kept with its exit status.
+``fence-matrix`` writes the records of ``tests/library/gpu_fence_scenarios.py`` (asserted on by
+``tests/library/test_gpu_fence.py``, not here) to ``fence-matrix_<gpu>_torch<version>_<date>.json``:
+every cell of the matrix (a plain thread's eager op class beside 3 workers' warm-ups and recordings,
+training and inference, fenced and unfenced) and pytorch#123177's repro runs by variant.
+A run that failed is kept with its exit status.
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from pathlib import Path
 
 from . import common
 from . import results_schema
-from .headlines import fence_variant
+from .headlines import fence_variant, option
 
 MODULE = "tests.helpers.gpu_scenarios"
 FENCE_MODULE = "tests.library.gpu_fence_scenarios"
@@ -113,37 +111,30 @@ def last_record_time(records: list[dict]) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(max(r["mtime"] for r in records), datetime.timezone.utc)
 
 
-def identity(records: list[dict], gpu: str | None = None) -> tuple[str, str]:
+def identity(records: list[dict]) -> tuple[str, str]:
     """The GPU and torch the runs had: one of each, or the records are of several runs. A scenario
-    names them in its result; a trainer run's record names the machine's (some records name only
-    the torch that built the target, and ``gpu`` the GPU)."""
+    names them in its result, a trainer run's record the machine's."""
     seen = set()
     for r in records:
         if r["rc"] != 0 or not r["result"]:
             continue
-        if not is_trainer(r):
-            seen.add((r["result"]["gpu"], r["result"]["torch"]))
-        elif r.get("machine"):
-            seen.add((r["machine"]["gpu"], r["machine"]["torch"]))
-        elif gpu and entry(r)["versions"]:
-            seen.add((gpu, entry(r)["versions"]["torch"]))
-        else:
-            raise SystemExit(f"{r['tag']}: a trainer run whose record names no GPU: give it with --gpu")
-    if gpu and any(g != gpu for g, _ in seen):
-        print(f"warning: --gpu {gpu!r} ignored where the records name the GPU", file=sys.stderr)
+        if is_trainer(r) and not r.get("machine"):
+            raise SystemExit(f"{r['tag']}: a trainer run whose record names no GPU")
+        source = r["machine"] if is_trainer(r) else r["result"]
+        seen.add((source["gpu"], source["torch"]))
     if len(seen) != 1:
         raise SystemExit(f"the records name {len(seen)} GPU / torch pairs ({sorted(seen)}): "
                          "give a folder of one test run whose scenarios measured")
     return seen.pop()
 
 
-def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> Path:
+def collect(folder: Path, label: str, out_dir: Path) -> Path:
     """Add the folder's run as a phase of its day's results file; the file's path."""
     records = read_records(folder)
-    gpu, torch_version = identity(records, gpu)
+    gpu, torch_version = identity(records)
     last = last_record_time(records)
     env = {"gpu": gpu, "torch": torch_version, "date": last.date().isoformat()}
-    path = out_dir / f"{common.results_stem(env, 'gpu-scenarios')}.json"
+    path = out_dir / f"{results_schema.stem(env, 'gpu-scenarios')}.json"
     data = results_schema.load(path).data if path.exists() else {}
     if any(name.split(" ")[0] == label for name in data):
         raise SystemExit(f"{path} already has a phase {label!r}: give another --label")
@@ -153,10 +144,6 @@ def collect(folder: Path, label: str, out_dir: Path, gpu: str | None = None) -> 
         phase[OUTCOMES] = outcomes(junit)
     data[f"{label} ({last:%H:%M} UTC)"] = phase
     return common.save(path, data)
-
-
-def option(args: list, name: str, default: str) -> str:
-    return args[args.index(name) + 1] if name in args else default
 
 
 def fence_entry(record: dict) -> dict:
@@ -209,7 +196,6 @@ def main(argv=None) -> int:
     common.add_out_dir(p)
     if what == "gpu-scenarios":
         p.add_argument("--label", default="suite", help="the phase's name (one word; default suite)")
-        p.add_argument("--gpu", help="the GPU's name, for a folder of trainer runs only (e.g. 'NVIDIA H200')")
     args = p.parse_args(argv)
     if not args.folder.is_dir():
         p.error(f"{args.folder}: no such folder (the one THREADGRAPH_GPU_LOG named)")
@@ -220,7 +206,7 @@ def main(argv=None) -> int:
         return 0
     if not args.label or " " in args.label:
         p.error(f"--label {args.label!r}: one word, e.g. suite or recheck")
-    collect(args.folder, args.label, common.results_dir(args.out_dir), args.gpu)
+    collect(args.folder, args.label, common.results_dir(args.out_dir))
     return 0
 
 if __name__ == "__main__":

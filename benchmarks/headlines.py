@@ -8,8 +8,7 @@ from typing import Optional
 
 from .results_schema import AS_THREADED, family, startup_comparable, timed_alike, trainer_runs_of
 
-MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees", "whole-step": "whole-step", "eager": "eager",
-              "compile": "compile"}
+MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees"}  # other modes by their own name
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
 
 
@@ -47,9 +46,9 @@ def replay(data: dict) -> list:
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     devices = len(data["sequential"].get("devices", [])) or 1
-    device = device_word(data)
+    device, ratio = device_word(data), "-" if data["ratio"] is None else f"{data['ratio']:.2f}"
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
-              f"{_kilo(data['sequential'].get('tokens_per_s'))}: {_fixed(data['ratio'])}x")
+              f"{_kilo(data['sequential'].get('tokens_per_s'))}: {ratio}x")
     caveats = [*([] if data["sequential"].get("training") == AS_THREADED else ["a sequential loop of more optimizer work"]),
                *([] if timed_alike(data["sequential"]) else ["the two sides not timed alike"])]
     if caveats:
@@ -68,10 +67,6 @@ def _kilo(value) -> str:
     return "-" if value is None else f"{value / 1e3:.0f}k"
 
 
-def _fixed(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def tau_reproducibility(data: dict) -> list:
     tau = data["tau"]
     same = "bit-identical" if data["bit_identical"] else f"differing in {len(data['differing_files'])} files"
@@ -83,17 +78,11 @@ def _trainer_run(name: str, run: dict) -> tuple:
     gpus = len(set(re.findall(r"cuda:\d+", run["placement"])))
     base = run["baseline"]
     where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "CPU"
+    build = f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""
+    startup = "" if run.get("startup_s") is None else f"; startup {run['startup_s']:.0f} s{build}"
     return (f"{name}{MODE_NAMES.get(run['mode'], run['mode'])}, {run['total_steps']} steps, {where}",
             f"tau {run['eval']['tau']:.2f} (random init {base['tau_random_init']:.2f}, repeat last token "
-            f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s"
-            + _startup(run))
-
-
-def _startup(run: dict) -> str:
-    if run.get("startup_s") is None:
-        return ""
-    build = f" ({run['build_s']:.0f} s of it the build: load, assets)" if run.get("build_s") is not None else ""
-    return f"; startup {run['startup_s']:.0f} s{build}"
+            f"{base['tau_repeat_last_token']:.2f}); {_kilo(run.get('tokens_per_s_steady'))} tokens/s{startup}")
 
 
 def dflash_trainer(data: dict) -> list:
@@ -137,8 +126,12 @@ def fence_matrix(data: dict) -> list:
 
 def fence_variant(cell: dict) -> str:
     """A fence scenario's variant: its result's, else its arguments' (a run that printed no result)."""
-    args = cell.get("args", [])
-    return cell.get("variant") or (args[args.index("--variant") + 1] if "--variant" in args else "fenced")
+    return cell.get("variant") or option(cell.get("args", []), "--variant", "fenced")
+
+
+def option(args: list, name: str, default: str) -> str:
+    """A scenario's option from its arguments."""
+    return args[args.index(name) + 1] if name in args else default
 
 
 def fence_overhead(data: dict) -> list:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -32,13 +31,6 @@ EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 # replica a device with AdamW after every batch: more optimizer work than the threads, whose drafters
 # share a device's weights.
 AS_THREADED = "as threaded"
-
-
-def sequential_training(sequential: dict) -> str:
-    """What a dflash-throughput sequential cell trained, in words (``AS_THREADED``)."""
-    if sequential.get("training") == AS_THREADED:
-        return "the threads' own training: their replicas, the mean gradient, one AdamW step a round a device"
-    return "one drafter replica a device, AdamW after every batch, no gradient averaging"
 
 
 def timed_alike(sequential: dict) -> bool:
@@ -127,10 +119,6 @@ def family(theme: str) -> str:
                    "and its headlines to benchmarks/headlines.py")
 
 
-def _kind(types) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-
-
 def _check_fields(file: str, data: dict, fields: dict, where: str = "") -> None:
     for field, types in fields.items():
         if field.endswith("[]"):
@@ -143,7 +131,8 @@ def _check_fields(file: str, data: dict, fields: dict, where: str = "") -> None:
             raise ResultsError(file, where + field, "missing")
         value, allowed = data[field], types if isinstance(types, tuple) else (types,)
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # True is an int too
-            raise ResultsError(file, where + field, f"expected {_kind(types)}, found {type(value).__name__}")
+            kind = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ResultsError(file, where + field, f"expected {kind}, found {type(value).__name__}")
 
 
 def trainer_runs_of(data: dict) -> dict:
@@ -194,8 +183,7 @@ def validate(file_name: str, data: Any) -> Name:
     return name
 
 
-@dataclass(frozen=True)
-class Results:
+class Results(NamedTuple):
     """One checked results file: its header (from the name) and its JSON."""
     path: Path
     theme: str
@@ -229,10 +217,10 @@ def load_folder(folder: Path) -> list[Results]:
     return [load(p) for p in sorted(Path(folder).glob("*.json"), key=lambda p: recency(p.name))]
 
 
-def newest(folder: Path, theme: str) -> Optional[Results]:
-    """The newest file of exactly ``theme``, or None."""
-    found = [p for p in Path(folder).glob(f"{theme}_*.json") if (n := parse_name(p.name)) and n.theme == theme]
-    return load(max(found, key=lambda p: recency(p.name))) if found else None
+def newest(runs: list[Results], theme: str) -> Optional[Results]:
+    """The newest of ``runs`` (oldest first, as ``load_folder`` gives them) of exactly ``theme``, or None."""
+    found = [r for r in runs if r.theme == theme]
+    return found[-1] if found else None
 
 
 def misnamed(folder: Path) -> list[str]:

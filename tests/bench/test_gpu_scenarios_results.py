@@ -104,14 +104,16 @@ TRAINER_RUN = {"mode": "whole-step", "placement": "targets on cuda:0", "total_st
                "target_report": {"versions": {"torch": "2.14.1+cu130", "python": "3.12.3"}, "bytes": {}}}
 
 
-def test_older_trainer_records_name_torch_but_not_the_gpu_and_keep_their_main_figures(tmp_path):
+def test_a_trainer_record_without_its_machine_is_refused_and_a_run_keeps_its_main_figures(tmp_path):
     log = tmp_path / "log"
     log.mkdir()
-    record(log, "dflash_modes_whole-step", ["-m", "examples.dflash_trainer", "--cuda-graphs", "whole-step"], result=TRAINER_RUN)
+    args = ["-m", "examples.dflash_trainer", "--cuda-graphs", "whole-step"]
+    record(log, "dflash_modes_whole-step", args, result=TRAINER_RUN)
     record(log, "dflash_modes_trees", ["-m", "examples.dflash_trainer", "--cuda-graphs", "trees"], rc=1)
-    with pytest.raises(SystemExit, match="dflash_modes_whole-step: a trainer run whose record names no GPU: give it with --gpu"):
+    with pytest.raises(SystemExit, match="dflash_modes_whole-step: a trainer run whose record names no GPU"):
         collector.collect(log, "modes", tmp_path)
-    path = collector.collect(log, "modes", tmp_path, gpu="NVIDIA H200")
+    record(log, "dflash_modes_whole-step", args, result=TRAINER_RUN, machine={"torch": "2.14.1+cu130", "gpu": "NVIDIA H200"})
+    path = collector.collect(log, "modes", tmp_path)
     assert path.name == "gpu-scenarios_nvidia-h200_torch2.14.1_2025-12-01.json"
     phase = json.loads(path.read_text())["modes (12:00 UTC)"]
     assert phase["dflash_modes_whole-step"] == {

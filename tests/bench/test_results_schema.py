@@ -124,8 +124,9 @@ def test_newest_takes_the_newest_file_of_exactly_that_theme(tmp_path):
     for name in ("conformance_cpu_torch2.13.0_2026-12-01.json", "conformance_nvidia-h200_torch2.11.0_2026-12-01.json",
                  "conformance-extra_cpu_torch2.13.0_2026-12-09.json"):
         (tmp_path / name).write_text(json.dumps({"placements": [], "cases": 0, "equal": 0, "rows": []}))
-    assert schema.newest(tmp_path, "conformance").name == "conformance_nvidia-h200_torch2.11.0_2026-12-01.json"
-    assert schema.newest(tmp_path, "fence-matrix") is None
+    runs = schema.load_folder(tmp_path)
+    assert schema.newest(runs, "conformance").name == "conformance_nvidia-h200_torch2.11.0_2026-12-01.json"
+    assert schema.newest(runs, "fence-matrix") is None
 
 
 @pytest.mark.parametrize("header, field", [({"gpu": "nvidia-a100"}, "gpu"), ({"machine": "cpu"}, "machine"),
