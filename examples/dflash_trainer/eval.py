@@ -77,6 +77,18 @@ def acceptance_length(target: TargetModel, drafter: nn.Module | Proposer,
     return {"tau": max(tau, 1.0), "steps": steps, "tokens": tokens_out, "accepted_hist": hist}
 
 
+def _accepted(draft: torch.Tensor, posterior: torch.Tensor, stop: set[int], hist: list[int]) -> torch.Tensor:
+    """The tokens one verification adds: the draft's prefix the target agrees with, then the target's own
+    next token, cut after a stop token; counts the accepted length in ``hist``."""
+    accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
+    hist[accepted] += 1
+    new = torch.cat([draft[:accepted], posterior[accepted:accepted + 1]])
+    if stop:
+        hits = [i for i, t in enumerate(new.tolist()) if t in stop]
+        new = new[:hits[0] + 1] if hits else new
+    return new
+
+
 def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_size: int,
             max_new_tokens: int, stop: set[int], hist: list[int], kv_cache: bool = True) -> int:
     """Generate for one prompt, adding each step's accepted count to `hist`; returns tokens made."""
@@ -95,12 +107,7 @@ def _decode(target: TargetModel, propose: Proposer, prompt: torch.Tensor, block_
         draft = propose(seq, context, block_size).to(seq.device).long()
         logits, features = target.logits_and_features(torch.cat([seq, draft])[None])
         posterior = logits[0, start:start + block_size].argmax(-1)  # target's choice per slot
-        accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
-        hist[accepted] += 1
-        new = torch.cat([draft[:accepted], posterior[accepted:accepted + 1]])
-        if stop:
-            hits = [i for i, t in enumerate(new.tolist()) if t in stop]
-            new = new[:hits[0] + 1] if hits else new
+        new = _accepted(draft, posterior, stop, hist)
         seq = torch.cat([seq, new])
         produced += new.shape[0]
         # Features up to the last accepted draft token are exact (causal target, same prefix).
@@ -119,12 +126,7 @@ def _decode_cached(target: TargetModel, propose: Proposer, seq: torch.Tensor, bl
         draft = propose(seq, context, block_size).to(seq.device).long()
         logits, features, cache = target.cached_logits_and_features(torch.cat([seq[-1:], draft])[None], cache)
         posterior = logits[0].argmax(-1)  # the target's choice after each token of [last, draft]
-        accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
-        hist[accepted] += 1
-        new = torch.cat([draft[:accepted], posterior[accepted:accepted + 1]])
-        if stop:
-            hits = [i for i, t in enumerate(new.tolist()) if t in stop]
-            new = new[:hits[0] + 1] if hits else new
+        new = _accepted(draft, posterior, stop, hist)
         seq = torch.cat([seq, new])
         produced += new.shape[0]
         # The block's first len(new) tokens are the old newest token and the accepted drafts: now known.
