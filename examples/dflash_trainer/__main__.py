@@ -15,13 +15,12 @@ import logging
 import os
 import signal
 import sys
-import traceback
 import typing
 
-from threadgraph import WorkerError, check_settings
+from threadgraph import check_settings
 
 from .config import CHOICES, DATA_GROUP, PRESETS, TrainConfig, apply_preset
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput, bad_input_behind
+from .errors import EXIT_BAD_INPUT, BadInput, report_failure
 from .run.metrics import format_phases
 from .run.result import RunResult
 
@@ -162,17 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as err:  # one clear line for humans; the cause chain is in the log above
         bar.close()
-        if debug:
-            traceback.print_exc()
-        bad = bad_input_behind(err)
-        if bad is not None:
-            print(f"error: {bad}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        cause = err.__cause__ or err
-        who = f"{err.thread_name} failed: " if isinstance(err, WorkerError) else ""
-        print(f"error: {who}{type(cause).__name__}: {cause}{_resume_hint(config)}"
-              + ("" if debug else " (--debug prints the traceback)"), file=sys.stderr)
-        return EXIT_FAILED
+        return report_failure(err, _resume_hint(config), debug)
     bar.close()
     if as_json:  # one write: under torchrun every rank shares this pipe, and a line in pieces interleaves
         sys.stdout.flush()

@@ -7,6 +7,8 @@ Each message names the flag or file and the fix. SAFETY.md lists the exit codes.
 
 from __future__ import annotations
 
+from threadgraph import WorkerError
+
 EXIT_BAD_INPUT = 2  # argparse's own code for a bad flag
 EXIT_FAILED = 1  # the run itself failed (a worker raised, the loss diverged, a rank hung)
 
@@ -32,3 +34,23 @@ def bad_input_behind(err: BaseException) -> "BadInput | None":
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+def report_failure(err: Exception, hint: str, debug: bool) -> int:
+    """A command line's last word on ``err``: one line on stderr, and its exit code. Bad input says
+    what to do (``EXIT_BAD_INPUT``); any other failure names the worker that raised it, the cause and
+    ``hint`` (``EXIT_FAILED``)."""
+    import sys
+    import traceback
+
+    if debug:
+        traceback.print_exc()
+    bad = bad_input_behind(err)
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cause = err.__cause__ or err
+    who = f"{err.thread_name} failed: " if isinstance(err, WorkerError) else ""
+    print(f"error: {who}{type(cause).__name__}: {cause}{hint}" + ("" if debug else " (--debug prints the traceback)"),
+          file=sys.stderr)
+    return EXIT_FAILED

@@ -29,7 +29,7 @@ import torch
 import threadgraph
 
 from .data_chat import THINK_CLOSE, THINK_OPEN
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, InputError, bad_input_behind
+from .errors import InputError, report_failure
 from .regenerate_io import Output, Prompt, read_prompts
 
 log = logging.getLogger("dflash")
@@ -232,19 +232,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 130
     except Exception as err:
-        if args.debug:
-            import traceback
-
-            traceback.print_exc()
-        bad = bad_input_behind(err)
-        if bad is not None:
-            print(f"error: {bad}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        cause = err.__cause__ or err
-        who = f"{err.thread_name} failed: " if isinstance(err, threadgraph.WorkerError) else ""
-        print(f"error: {who}{type(cause).__name__}: {cause}; the records written so far are kept: run the same "
-              f"command again to continue" + ("" if args.debug else " (--debug prints the traceback)"), file=sys.stderr)
-        return EXIT_FAILED
+        return report_failure(err, "; the records written so far are kept: run the same command again to continue",
+                              args.debug)
     print(f"regenerate: {counts['records']} records in {args.out} ({counts['before']} there before, "
           f"{counts['generated']} generated now, {counts['tokens']} tokens)")
     return 0
