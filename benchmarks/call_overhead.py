@@ -5,11 +5,14 @@
 The main thread calls a tiny ``torch.compile``d function (``x * 2 + 1`` on a 4-element tensor,
 Inductor on the CPU) in a loop; nothing else runs. Variants, timed in turns within this one process
 (so a machine that speeds up or slows down weighs on all of them alike): no patches, every patch,
-and every patch that applies on this torch alone, each with its own copy of the function; each round times each single patch ``--reps``
-times in all, each time between a timing of no patches and one of every patch. Before each timing the
-variant's patches are put in place and its copy is compiled (its first call compiles it, once
-per process), then called ``--calls`` times. Writes (to ``--out-dir``, else the scratch folder) and prints the median
-per-call time of each variant, its cost over no patches (us) and its ratio to no patches.
+and every patch that applies on this torch alone, each with its own copy of the function. Each round
+times each single patch ``--reps`` times in all, each time right after a timing of no patches and
+one of every patch. Before each timing the variant's patches are put in place, its copy is compiled
+(its first call compiles it, once per process) and called ``--calls // 4`` times untimed (putting
+patches in place leaves the processor's caches cold for the calls that follow), then ``--calls``
+times, timed. Writes (to ``--out-dir``, else the scratch folder) and prints, for each variant, the
+median per-call time, its cost over no patches (the median of its differences from the timing of
+no patches just before it, in us) and its ratio to no patches.
 """
 
 from __future__ import annotations
@@ -75,29 +78,39 @@ def measure(reps: int, calls: int) -> dict:
     table = variants(names)
     x = torch.ones(4)
     times: dict[str, list[float]] = {name: [] for name in table}
+    over_none: dict[str, list[float]] = {name: [] for name in table}
     recompiles_before = None
     functions = {name: own_copy(index) for index, name in enumerate(table)}
     singles = [name for name in table if name not in ("none", "all")]
+
+    def timed(name: str) -> float:
+        set_variant(table[name])
+        compiled = torch.compile(functions[name])
+        for _ in range(20):  # the first call compiles (once per process) and settles first_call's turn
+            compiled(x)
+        nonlocal recompiles_before
+        if recompiles_before is None:
+            recompiles_before = frames_compiled()
+        time_calls(compiled, x, max(calls // 4, 1))  # untimed: the caches warm up again after set_variant
+        times[name].append(time_calls(compiled, x, calls))
+        return times[name][-1]
+
     for rep in range(reps):
-        # Each single patch is timed between a timing of none and one of all, so the two ends of
-        # the comparison are sampled all through the run, not once a round.
-        for name in [step for single in singles for step in ("none", "all", single)]:
-            exclude = table[name]
-            set_variant(exclude)
-            compiled = torch.compile(functions[name])
-            for _ in range(20):  # the first call compiles (once per process) and settles first_call's turn
-                compiled(x)
-            if recompiles_before is None:
-                recompiles_before = frames_compiled()
-            times[name].append(time_calls(compiled, x, calls))
+        # Each single patch is timed after a timing of none and one of all, so the two ends of the
+        # comparison are sampled all through the run, and each variant against the none just before it.
+        for single in singles:
+            none = timed("none")
+            over_none["none"].append(0.0)
+            for name in ("all", single):
+                over_none[name].append(timed(name) - none)
         print(f"  round {rep + 1}/{reps} done", file=sys.stderr, flush=True)
     threadgraph.uninstall()
     base = statistics.median(times["none"])
     rows = []
     for name in table:
-        median = statistics.median(times[name])
-        rows.append({"variant": name, "per_call_us": round(median * 1e6, 3),
-                     "over_none_us": round((median - base) * 1e6, 3), "ratio_to_none": round(median / base, 4)})
+        extra = statistics.median(over_none[name])
+        rows.append({"variant": name, "per_call_us": round(statistics.median(times[name]) * 1e6, 3),
+                     "over_none_us": round(extra * 1e6, 3), "ratio_to_none": round((base + extra) / base, 4)})
     return {"patches": names, "rows": rows, "frames_compiled_after_first_warmup": frames_compiled() - recompiles_before}
 
 

@@ -212,6 +212,15 @@ def dynamo_contexts_have_enter_hooks() -> bool:
     return _source_has(context.__init__, "self.enter_exit_hooks")
 
 
+def fullgraph_error_skips_exit_hooks() -> bool:
+    """Whether a ``fullgraph=True`` call that compiled no frame fails ("found no compiled frames")
+    from where its context's exit hooks no longer run, asking ``get_skip_reasons`` first (2.13+)."""
+    eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+    context = getattr(eval_frame, "_TorchDynamoContext", None)
+    return (hasattr(eval_frame, "get_skip_reasons") and context is not None
+            and _source_has(context.__call__, "get_skip_reasons()"))
+
+
 def _source_has(owner: Any, text: str) -> bool:
     try:
         return text in inspect.getsource(owner)

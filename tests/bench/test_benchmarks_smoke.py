@@ -300,3 +300,16 @@ def test_dflash_throughput_refuses_a_shape_with_no_room_to_build(tmp_path, capsy
     assert module.main(["--quick", "--target-shape", "tiny", "--out-dir", str(tmp_path / "out")]) == 2
     assert "error: target shape tiny: its 0.0 GiB of weights do not fit on the disk of" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_call_overhead_quick(tmp_path, monkeypatch, clean_patches):
+    from benchmarks import call_overhead
+
+    # Two patches keep it to four compiled copies: no patches, both, each alone.
+    monkeypatch.setattr(call_overhead, "applying", lambda: ["first_call_in_turn", "worker_generation_bump"])
+    assert call_overhead.main(["--reps", "2", "--calls", "40", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("call-overhead_*.json")).read_text())
+    rows = {row["variant"]: row for row in data["rows"]}
+    assert set(rows) == {"none", "all", "only first_call_in_turn", "only worker_generation_bump"}
+    assert rows["none"]["over_none_us"] == 0 and rows["none"]["ratio_to_none"] == 1
+    assert all(row["per_call_us"] > 0 for row in rows.values())

@@ -196,21 +196,128 @@ def test_a_turn_held_too_long_is_given_up_with_a_warning(patches, monkeypatch, c
     assert len(warned) == 1 and "holder" in warned[0] and "slow_fn" in warned[0], warned  # who, and which call
 
 
-def test_compiled_functions_keep_their_attributes_and_nest(patches):
+def _context_of(compiled):
+    """The Dynamo context whose ``compile_wrapper`` ``compiled`` is."""
+    return inspect.getclosurevars(compiled).nonlocals["self"]
+
+
+def _turn_hooks(context):
+    return [h for h in context.enter_exit_hooks if isinstance(h, _first_call._TurnHook)]
+
+
+def test_torch_compile_returns_its_own_function_and_compiled_functions_nest(patches):
     double = lambda x: x * 2  # noqa: E731
     inner = torch.compile(double, backend="eager")
-    assert inner.__wrapped__ is not double and inspect.unwrap(inner) is double  # a wrapper, around torch's
+    assert inner.__wrapped__ is double  # torch's own wrapper: the turn is its context's enter hook
+    assert len(_turn_hooks(_context_of(inner))) == 1
     outer = torch.compile(lambda x: inner(x) + 1, backend="eager")
     counters.clear()
     assert torch.equal(outer(torch.ones(3)), torch.full((3,), 3.0))
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_uninstall_gives_torch_compile_its_own_result_back(patches):
+def _frames_of_a_call(fn, *args):
+    """The files of the Python frames one call of ``fn`` runs."""
+    files = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            files.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def test_once_its_code_settled_a_call_runs_no_turn_code_and_forget_takes_turns_again(patches):
+    plus = lambda x: x + 1  # noqa: E731
+    compiled = torch.compile(plus, backend="eager")
+    context, x = _context_of(compiled), torch.ones(2)
+    assert _first_call.__file__ in _frames_of_a_call(compiled, x)  # the first call compiles in its turn
+    compiled(x)  # a second call that compiled nothing: the code settles
+    assert _turn_hooks(context) == []
+    assert _first_call.__file__ not in _frames_of_a_call(compiled, x)
+    _first_call.forget()
+    assert len(_turn_hooks(context)) == 1
+
+
+def test_a_context_that_compiles_a_second_function_wraps_that_one(patches):
+    context = torch._dynamo.optimize("eager")
+    first, second = (lambda x: x + 1), (lambda x: x - 1)  # noqa: E731
+    compiled_first, compiled_second = context(first), context(second)
+    assert compiled_first.__wrapped__ is first and len(_turn_hooks(context)) == 1
+    assert compiled_second.__wrapped__ is not second and inspect.unwrap(compiled_second) is second
+    x = torch.zeros(2)
+    assert torch.equal(compiled_first(x), x + 1) and torch.equal(compiled_second(x), x - 1)
+
+
+def test_uninstall_leaves_torch_compile_as_it_was(patches):
     identity = lambda x: x  # noqa: E731
     threadgraph.uninstall(["first_call_in_turn"])
     fn = torch.compile(identity, backend="eager")
-    assert fn.__wrapped__ is identity  # torch's own wrapper, with no turn-taking one around it
+    assert fn.__wrapped__ is identity and _turn_hooks(_context_of(fn)) == []
+
+
+class _Context:
+    """Stands for a Dynamo context: its list of enter hooks."""
+
+    def __init__(self):
+        self.enter_exit_hooks = []
+        self.fullgraph = self.export = False
+
+
+def _call_through_hooks(context, body):
+    """What compile_wrapper does around a call: every enter hook, the call, every exit in a finally."""
+    exits = [enter() for enter in context.enter_exit_hooks]
+    try:
+        return body()
+    finally:
+        for leave in exits:
+            leave()
+
+
+def test_through_the_hook_a_failed_call_settles_nothing_and_gives_the_turn_back(patches):
+    context, key = _Context(), ("test-hook-failed",)
+    assert _first_call._arm(context, key, "fn")
+
+    def fail():
+        raise ValueError("first call failed")
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="first call failed"):
+            _call_through_hooks(context, fail)
+        assert not _first_call._turns[key].lock.locked()
+    assert key not in _first_call._done and len(_turn_hooks(context)) == 1
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError:  # calls made while the caller handles an exception of its own still count
+        _call_through_hooks(context, lambda: 1)
+        _call_through_hooks(context, lambda: 1)
+    assert key in _first_call._done
+    _call_through_hooks(context, lambda: 1)
+    assert _turn_hooks(context) == []
+
+
+def test_a_fullgraph_call_that_compiled_no_frame_gives_its_turn_back(patches):
+    def doubled(x):
+        return x * 2
+
+    torch._dynamo.eval_frame.skip_code(doubled.__code__)  # Dynamo never compiles it: no compiled frame
+    compiled = torch.compile(doubled, backend="eager", fullgraph=True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="found no compiled frames"):
+            compiled(torch.ones(2))
+        assert not _first_call._turns[_first_call.turn_key(doubled)].lock.locked()
+    threadgraph.uninstall(["fullgraph_error_gives_turn_back"])
+    with pytest.raises(RuntimeError, match="found no compiled frames"):
+        compiled(torch.ones(2))
+    turn = _first_call._turns[_first_call.turn_key(doubled)]
+    assert turn.lock.locked()  # without the patch the failed call keeps its turn
+    turn.holder = turn.holder_ident = None
+    turn.lock.release()
 
 
 def test_torch_compile_calls_with_equal_settings_share_one_backend_object(patches):

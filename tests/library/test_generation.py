@@ -245,3 +245,52 @@ def test_resetting_the_trees_zeroes_the_calling_workers_mark_step(clean_patches)
 
     marked, after_reset = _in_fresh_thread(calls)
     assert marked == -1 and after_reset == 0
+
+
+def _tagging_calls(bump, calls):
+    """Run ``bump`` ``calls`` times in a fresh thread; return how the process counter and that thread's
+    worker generation moved."""
+    tracker, seen = _compat.generation_tracker(), []
+
+    def run():
+        before = tracker.generation
+        for _ in range(calls):
+            bump()
+        seen.append((tracker.generation - before, _tls.worker_for_current_thread().generation == tracker.generation))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_on_a_verified_release_the_bump_calls_upstream_once_then_moves_the_counter_itself(clean_patches):
+    from threadgraph._patches import generation
+
+    upstream = torch._dynamo.mutation_guard.install_generation_tagging_init
+    calls = []
+
+    def counted():
+        calls.append(1)
+        upstream()
+
+    assert generation._verified_body(upstream)  # this torch's body is a verified one
+    # That body, through a stand-in that counts its calls.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generation, "_verified_body", lambda original: original is counted)
+        assert _tagging_calls(generation.worker_generation_bump(counted), 5) == (5, True)
+    assert len(calls) == 1
+
+
+def test_with_a_body_no_release_verified_every_bump_calls_it(clean_patches):
+    from threadgraph._patches import generation
+
+    tracker, calls = _compat.generation_tracker(), []
+
+    def changed_upstream():  # a body no verified release has
+        calls.append(1)
+        tracker.generation += 2
+
+    assert not generation._verified_body(changed_upstream)
+    assert _tagging_calls(generation.worker_generation_bump(changed_upstream), 5) == (10, True)
+    assert len(calls) == 5

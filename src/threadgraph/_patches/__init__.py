@@ -103,6 +103,8 @@ PATCHES = [
                    "torch._dynamo.types:ConvertFrameReturn", "torch.fx._symbolic_trace:Tracer.trace")),
     Patch("first_call_in_turn", "torch._dynamo.eval_frame:OptimizeContext.__call__", "concurrent-first-compile",
           _first_call.first_call_in_turn, assumes=("torch._dynamo.eval_frame:innermost_fn",)),
+    Patch("fullgraph_error_gives_turn_back", "torch._dynamo.eval_frame:get_skip_reasons", "concurrent-first-compile",
+          _first_call.turn_given_back_on_fullgraph_error, applies=_compat.fullgraph_error_skips_exit_hooks),
     Patch("inductor_backend_per_settings", "torch:_TorchCompileInductorWrapper", "concurrent-first-compile",
           None, replace=_first_call.one_backend_per_settings),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread",

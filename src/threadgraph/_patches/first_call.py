@@ -9,14 +9,20 @@ one architecture on models of their own are that case: with nn.Modules inlined (
 torch 2.5), parameters are graph inputs and no guard pins a module object, so one compilation
 serves every worker once it is in the cache.
 
-``first_call_in_turn`` wraps what ``torch.compile`` returns (``OptimizeContext.__call__``; a
-compiled module goes through it too, for its ``forward``). Calls of one compiled code take turns
-until the code has settled: the first caller compiles; the others wait, their device slots given
-up (``released()``), and then find the cache filled. A first call can change what the guards see
-(a model that sets an attribute on its first forward recompiles on its second call), so the code
-has settled only when a thread's second or later call of it compiled no frame; from then on a
-call costs one set lookup. Each worker still warms up and records its own CUDA graphs in its own
-pool (the per-worker cudagraphify state, hazard shared-cudagraphify-state).
+``first_call_in_turn`` wraps ``OptimizeContext.__call__``, which builds what ``torch.compile``
+returns (a compiled module goes through it too, for its ``forward``). Calls of one compiled code take
+turns until the code has settled: the first caller compiles; the others wait, their device slots
+given up (``released()``), and then find the cache filled. A first call can change what the guards
+see (a model that sets an attribute on its first forward recompiles on its second call), so the code
+has settled only when a thread's second or later call of it compiled no frame.
+
+The turn is taken in an enter hook that the patch adds to the compiling context's own
+``enter_exit_hooks``, which Dynamo runs at each call before it sets its frame callback; once the code
+has settled the hook leaves the list, and a call costs what it costs without threadgraph. Where a
+release has no such hooks, or a context already compiles another function (the hooks cannot tell
+its functions apart), the compiled function is wrapped instead, and a settled call costs that
+wrapper's frame. Each worker still warms up and records its own CUDA graphs in its own pool (the
+per-worker cudagraphify state, hazard shared-cudagraphify-state).
 
 The key of a turn is the code object of the compiled function, and for a bound method also the
 type of its instance (every ``torch.compile(module)`` compiles ``Module.__call__``). Limits: a
@@ -34,8 +40,10 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -60,10 +68,12 @@ _done: set[Hashable] = set()  # settled keys: their calls pass straight through
 
 
 class _ThreadState(threading.local):
-    """This thread's frame compiles, and its calls of each unsettled key (class defaults: see _per_thread)."""
+    """This thread's frame compiles, its calls of each unsettled key, and the turns it holds through
+    contexts' enter hooks, innermost last (class defaults: see _per_thread)."""
 
     compiles = 0
     calls = None
+    held = None
 
 
 _local = _ThreadState()
@@ -85,6 +95,13 @@ def _calls() -> dict:
     return calls
 
 
+def _held() -> list:
+    held = _local.held
+    if held is None:
+        held = _local.held = []
+    return held
+
+
 def turn_key(fn: Any) -> Optional[Hashable]:
     """What identifies compiled code across workers: its code object, plus the instance's type
     for a bound method. None for callables without Python code (no turn)."""
@@ -102,7 +119,8 @@ def _describe(fn: Any) -> str:
 
 
 def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``OptimizeContext.__call__``: the compiled function it returns takes turns on its first call."""
+    """``OptimizeContext.__call__``: calls of the compiled function it returns take turns on their
+    code's first calls, through the context's enter hooks where it can, else through a wrapper."""
     compiled = wrapped(*args, **kwargs)
     fn = args[0] if args else kwargs.get("fn")
     if isinstance(compiled, torch.nn.Module) or not callable(compiled):
@@ -110,7 +128,125 @@ def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     key = turn_key(fn)
     if key is None:
         return compiled
+    if isinstance(getattr(instance, "enter_exit_hooks", None), list) and _arm(instance, key, _describe(fn)):
+        return compiled
     return in_turn(compiled, key, _describe(fn))
+
+
+def _enter_turn(key: Hashable, name: str) -> Optional[Callable[[bool], None]]:
+    """Take ``key``'s turn for one call, waiting for another thread's first call of it; returns what
+    ends the call (its argument: whether the call returned), or None where it takes no turn."""
+    turn = _turns.setdefault(key, _Turn())
+    if turn.holder_ident == threading.get_ident():  # a recursive first call
+        return None
+    # Uncontended, the turn is taken without giving the slots up: a capture elsewhere must not
+    # slip in between a worker's slot and its own call.
+    got = turn.lock.acquire(blocking=False)
+    if not got:
+        state = current_worker()
+        started = time.perf_counter()
+        with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
+            got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
+        if state is not None:
+            state.turn_wait_seconds += time.perf_counter() - started
+    if not got:
+        log.warning("threadgraph: waited %.0f s for %s to finish its first call of %s; compiling it here as well",
+                    DEFAULT_TIMEOUT_S, turn.holder, name)
+        return None
+    if key in _done:  # settled while this thread waited
+        turn.lock.release()
+        return None
+    turn.holder, turn.holder_ident = threading.current_thread().name, threading.get_ident()
+    calls, before = _calls(), _compiles()
+
+    def end(returned: bool) -> None:
+        try:
+            if returned:  # only calls that returned: a failed one settles nothing
+                calls[key] = calls.get(key, 0) + 1
+                if calls[key] >= 2 and _compiles() == before:
+                    _done.add(key)
+                    del calls[key]
+        finally:
+            turn.holder = turn.holder_ident = None
+            turn.lock.release()
+
+    return end
+
+
+def _no_exit() -> None:
+    return None
+
+
+class _TurnHook:
+    """An enter hook of one Dynamo context: each call of the function it compiles takes the turn of
+    ``key`` until the key settles; then the hook takes itself out of the context's hooks."""
+
+    def __init__(self, context: Any, key: Hashable, name: str) -> None:
+        self.context, self.key, self.name = context, key, name
+
+    def __call__(self) -> Callable[[], None]:
+        if self.key in _done:
+            _disarm(self)
+            return _no_exit
+        if _compat.is_dynamo_compiling() or tracing_here():  # inside a trace a call takes no turn
+            return _no_exit
+        end = _enter_turn(self.key, self.name)
+        if end is None:
+            return _no_exit
+        entry = (self.context, end)
+        held = _held()
+        held.append(entry)
+        raised_before = sys.exc_info()[1]
+
+        def exit_turn() -> None:
+            # Dynamo runs exit hooks in a finally clause: an exception other than the one already
+            # being handled when the call began is the call's own.
+            if entry in held:  # else turn_given_back_on_fullgraph_error ended it
+                held.remove(entry)
+                end(sys.exc_info()[1] is raised_before)
+                if self.key in _done:
+                    _disarm(self)
+
+        return exit_turn
+
+
+_hooks_lock = threading.Lock()
+_armed: "weakref.WeakKeyDictionary[Any, _TurnHook]" = weakref.WeakKeyDictionary()  # context -> its hook
+
+
+def _arm(context: Any, key: Hashable, name: str) -> bool:
+    """Give ``context`` the turn hook of ``key``; False where it already has one for another key."""
+    with _hooks_lock:
+        hook = _armed.get(context)
+        if hook is not None:
+            return hook.key == key
+        hook = _armed[context] = _TurnHook(context, key, name)
+        if key not in _done:
+            # A new list, not an append: a call running the old one in another thread keeps it whole.
+            context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
+        return True
+
+
+def _disarm(hook: _TurnHook) -> None:
+    with _hooks_lock:
+        hooks = hook.context.enter_exit_hooks
+        if hook in hooks:
+            hook.context.enter_exit_hooks = [h for h in hooks if h is not hook]
+
+
+def turn_given_back_on_fullgraph_error(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``eval_frame.get_skip_reasons``, which a ``fullgraph=True`` call asks only as it fails with
+    "found no compiled frames", from where its context's exit hooks no longer run: the turn that
+    call holds through its hook is given back here, as a failed call."""
+    held = _local.held
+    if held:
+        context, end = held[-1]
+        # Only the outermost fullgraph call fails so, after its inner calls have left: its turn, if it
+        # holds one, is the innermost held.
+        if getattr(context, "fullgraph", False) and not getattr(context, "export", False):
+            held.pop()
+            end(False)
+    return wrapped(*args, **kwargs)
 
 
 class _Forgotten:
@@ -121,6 +257,7 @@ class _Forgotten:
 
 
 def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
+    """``compiled`` wrapped so that its calls take ``key``'s turn until the key settles."""
     is_tracing = _compat.is_dynamo_compiling
     settled_at = [-1]  # _Forgotten.count when this wrapper last found its key settled
 
@@ -136,7 +273,16 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
             return compiled(*args, **kwargs)
         if tracing_here():  # inside its own FX trace a thread takes no turn: inlined or refused upstream
             return compiled(*args, **kwargs)
-        return _take_turn(key, name, compiled, args, kwargs)
+        end = _enter_turn(key, name)
+        if end is None:
+            return compiled(*args, **kwargs)
+        returned = False
+        try:
+            result = compiled(*args, **kwargs)
+            returned = True
+            return result
+        finally:
+            end(returned)
 
     compiled_in_turn._threadgraph_turn_key = key  # type: ignore[attr-defined]
     # Dynamo's innermost_fn follows _torchdynamo_orig_callable only where _torchdynamo_wrapper_id
@@ -147,47 +293,17 @@ def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
     return compiled_in_turn
 
 
-def _take_turn(key: Hashable, name: str, compiled: Callable, args: tuple, kwargs: dict) -> Any:
-    turn = _turns.setdefault(key, _Turn())
-    if turn.holder_ident == threading.get_ident():  # a recursive first call
-        return compiled(*args, **kwargs)
-    # Uncontended, the turn is taken without giving the slots up: a capture elsewhere must not
-    # slip in between a worker's slot and its own call.
-    got = turn.lock.acquire(blocking=False)
-    if not got:
-        state = current_worker()
-        started = time.perf_counter()
-        with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
-            got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
-        if state is not None:
-            state.turn_wait_seconds += time.perf_counter() - started
-    if not got:
-        log.warning("threadgraph: waited %.0f s for %s to finish its first call of %s; compiling it here as well",
-                    DEFAULT_TIMEOUT_S, turn.holder, name)
-        return compiled(*args, **kwargs)
-    if key in _done:  # settled while this thread waited
-        turn.lock.release()
-        return compiled(*args, **kwargs)
-    turn.holder, turn.holder_ident = threading.current_thread().name, threading.get_ident()
-    calls, before = _calls(), _compiles()
-    try:
-        result = compiled(*args, **kwargs)
-        calls[key] = calls.get(key, 0) + 1  # only calls that returned: a failed one settles nothing
-        if calls[key] >= 2 and _compiles() == before:
-            _done.add(key)
-            del calls[key]
-        return result
-    finally:
-        turn.holder = turn.holder_ident = None
-        turn.lock.release()
-
-
 def forget() -> None:
-    """Clear every turn (tests; after ``torch._dynamo.reset()`` the caches are empty again)."""
-    _turns.clear()
-    _done.clear()
-    _Forgotten.count += 1
-    _local.__dict__.clear()
+    """Clear every turn (tests; after ``torch._dynamo.reset()`` the caches are empty again): settled
+    codes take turns again, and contexts whose hook left get it back."""
+    with _hooks_lock:
+        _turns.clear()
+        _done.clear()
+        _Forgotten.count += 1
+        _local.__dict__.clear()
+        for context, hook in list(_armed.items()):
+            if hook not in context.enter_exit_hooks:
+                context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
 
 
 _backends_lock = threading.Lock()

@@ -9,11 +9,13 @@ backward on autograd's device thread reads them too. The patches that apply thes
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
 
 from threadgraph import _compat
+from threadgraph._patches import fingerprint
 from threadgraph._device.tls import bound, current_worker, worker_for_current_thread
 
 
@@ -45,14 +47,35 @@ def take_generation() -> None:
         state.generation = _compat.process_generation()
 
 
+BUMP_TARGET = "torch._dynamo.eval_frame:install_generation_tagging_init"
+
+
+def _verified_body(original: Callable[[], None]) -> bool:
+    """Whether ``original`` has the body of a verified release (its fingerprint is recorded): there,
+    once it has set ``nn.Module``'s generation tagging up, a call only moves the counter by one."""
+    try:
+        live = fingerprint.of_source(inspect.getsource(original))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(record["symbols"].get(BUMP_TARGET) == live for record in fingerprint.load()["releases"].values())
+
+
 def worker_generation_bump(original: Callable[[], None]) -> Callable[[], None]:
     """``Patch.replace`` of ``install_generation_tagging_init``, which Dynamo calls on every entry
     into a compiled frame: a plain function, not a wrapt proxy (which costs about 1 us a call there).
-    A thread bound to its worker reads it from a thread-local; the others ask the stash."""
+    With a verified release's body, it calls the original once (the tagging set-up) and from then on
+    moves the counter itself, a Python frame less a call; any other body it calls every time. A
+    thread bound to its worker reads it from a thread-local; the others ask the stash."""
     tracker = _compat.generation_tracker()
+    verified = _verified_body(original)
+    set_up = [False]
 
     def install_generation_tagging_init() -> None:
-        original()
+        if set_up[0]:
+            tracker.generation += 1
+        else:
+            original()
+            set_up[0] = verified
         state = bound.state
         if state is None:
             state = worker_for_current_thread()
