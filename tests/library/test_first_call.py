@@ -1,10 +1,12 @@
 """Identical workers compile once (hazard concurrent-first-compile, patch first_call_in_turn)."""
 
 import contextlib
+import gc
 import inspect
 import logging
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -327,3 +329,13 @@ def test_torch_compile_calls_with_equal_settings_share_one_backend_object(patche
     assert build(None, None, False) is not a and isinstance(a, build)
     threadgraph.uninstall(["inductor_backend_per_settings"])
     assert torch._TorchCompileInductorWrapper("reduce-overhead", None, False) is not a
+
+
+def test_a_context_nothing_uses_any_more_is_not_kept_alive(patches):
+    compiled = torch.compile(lambda x: x + 2, backend="eager")
+    compiled(torch.ones(2))
+    context = weakref.ref(_context_of(compiled))
+    assert len(_first_call._armed) >= 1 and context() in _first_call._armed
+    del compiled
+    gc.collect()
+    assert context() is None

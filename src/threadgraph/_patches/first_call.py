@@ -182,7 +182,8 @@ class _TurnHook:
     ``key`` until the key settles; then the hook takes itself out of the context's hooks."""
 
     def __init__(self, context: Any, key: Hashable, name: str) -> None:
-        self.context, self.key, self.name = context, key, name
+        self.context = weakref.ref(context)  # _armed's value: a strong one would keep its key alive
+        self.key, self.name = key, name
 
     def __call__(self) -> Callable[[], None]:
         if self.key in _done:
@@ -193,7 +194,7 @@ class _TurnHook:
         end = _enter_turn(self.key, self.name)
         if end is None:
             return _no_exit
-        entry = (self.context, end)
+        entry = (self.context(), end)
         held = _held()
         held.append(entry)
         raised_before = sys.exc_info()[1]
@@ -228,10 +229,10 @@ def _arm(context: Any, key: Hashable, name: str) -> bool:
 
 
 def _disarm(hook: _TurnHook) -> None:
+    context = hook.context()
     with _hooks_lock:
-        hooks = hook.context.enter_exit_hooks
-        if hook in hooks:
-            hook.context.enter_exit_hooks = [h for h in hooks if h is not hook]
+        if context is not None and hook in context.enter_exit_hooks:
+            context.enter_exit_hooks = [h for h in context.enter_exit_hooks if h is not hook]
 
 
 def turn_given_back_on_fullgraph_error(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
