@@ -12,7 +12,9 @@ one of every patch. Before each timing the variant's patches are put in place, i
 patches in place leaves the processor's caches cold for the calls that follow), then ``--calls``
 times, timed. Writes (to ``--out-dir``, else the scratch folder) and prints, for each variant, the
 median per-call time, its cost over no patches (the median of its differences from the timing of
-no patches just before it, in us) and its ratio to no patches.
+no patches just before it, in us) and its ratio to no patches. The row of every patch has a sample
+per single patch and round, a single patch's row ``--reps`` samples: on a shared machine the single
+rows move by a few tenths of a microsecond from run to run.
 """
 
 from __future__ import annotations
