@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,16 @@ from threadgraph._device.gate import check_settings
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _command(argv)
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (``threadgraph doctor | head``): end quietly, as
+        # ``cat`` does, with nothing more written to the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="threadgraph", description="threadgraph: CUDA graphs in worker threads")
     parser.add_argument("--version", action="version", version=f"threadgraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

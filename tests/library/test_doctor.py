@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -78,3 +79,14 @@ def test_a_failed_selftest_check_reports_its_last_stderr_line_as_text(monkeypatc
         {"check": "train", "passed": False, "error": "RuntimeError: capture failed"},
         {"check": "infer", "passed": False, "error": "its process exited with -9 and wrote nothing on stderr"},
     ]
+
+
+def test_doctor_into_a_pipe_nobody_reads_ends_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before doctor writes a line (``threadgraph doctor | head``)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "threadgraph", "doctor"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
