@@ -246,21 +246,47 @@ def test_once_its_code_settled_a_call_runs_no_turn_code_and_forget_takes_turns_a
     assert len(_turn_hooks(context)) == 1
 
 
-def test_a_context_that_compiles_a_second_function_wraps_that_one(patches):
+def test_a_context_that_compiles_two_functions_gives_each_its_own_turn(patches):
     context = torch._dynamo.optimize("eager")
     first, second = (lambda x: x + 1), (lambda x: x - 1)  # noqa: E731
     compiled_first, compiled_second = context(first), context(second)
-    assert compiled_first.__wrapped__ is first and len(_turn_hooks(context)) == 1
-    assert compiled_second.__wrapped__ is not second and inspect.unwrap(compiled_second) is second
+    assert compiled_first.__wrapped__ is first and compiled_second.__wrapped__ is second
+    assert len(_turn_hooks(context)) == 1  # one hook, for both
     x = torch.zeros(2)
-    assert torch.equal(compiled_first(x), x + 1) and torch.equal(compiled_second(x), x - 1)
+    for _ in range(3):
+        assert torch.equal(compiled_second(x), x - 1)
+    assert _first_call.turn_key(second) in _first_call._done
+    assert _first_call.turn_key(first) not in _first_call._done and _first_call.turn_key(first) not in _first_call._turns
+    assert len(_turn_hooks(context)) == 1  # the first function has not settled: the hook stays
+    for _ in range(2):
+        assert torch.equal(compiled_first(x), x + 1)
+    assert _first_call.turn_key(first) in _first_call._done and _turn_hooks(context) == []
 
 
-def test_uninstall_leaves_torch_compile_as_it_was(patches):
-    identity = lambda x: x  # noqa: E731
+def test_uninstall_leaves_torch_compile_and_its_contexts_as_they_were(patches):
+    before = torch.compile(lambda x: x * 3, backend="eager")
+    assert len(_turn_hooks(_context_of(before))) == 1
     threadgraph.uninstall(["first_call_in_turn"])
+    assert _turn_hooks(_context_of(before)) == []
+    identity = lambda x: x  # noqa: E731
     fn = torch.compile(identity, backend="eager")
     assert fn.__wrapped__ is identity and _turn_hooks(_context_of(fn)) == []
+
+
+def test_a_compiled_call_that_raises_gives_its_turn_back_and_settles_nothing(patches):
+    def step(x, fail):
+        if fail:
+            raise ValueError("first call failed")
+        return x + 1
+
+    compiled, key = torch.compile(step, backend="eager"), _first_call.turn_key(step)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="first call failed"):
+            compiled(torch.ones(2), True)
+        assert not _first_call._turns[key].lock.locked() and key not in _first_call._done
+    compiled(torch.ones(2), False)
+    compiled(torch.ones(2), False)
+    assert key in _first_call._done
 
 
 class _Context:
@@ -283,7 +309,7 @@ def _call_through_hooks(context, body):
 
 def test_through_the_hook_a_failed_call_settles_nothing_and_gives_the_turn_back(patches):
     context, key = _Context(), ("test-hook-failed",)
-    assert _first_call._arm(context, key, "fn")
+    _first_call._arm(context, key, "fn")
 
     def fail():
         raise ValueError("first call failed")
@@ -293,6 +319,16 @@ def test_through_the_hook_a_failed_call_settles_nothing_and_gives_the_turn_back(
             _call_through_hooks(context, fail)
         assert not _first_call._turns[key].lock.locked()
     assert key not in _first_call._done and len(_turn_hooks(context)) == 1
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError as handled:
+        def raise_it_again():
+            raise handled
+
+        for _ in range(2):  # the exception being handled, raised again by the call: the call failed
+            with pytest.raises(KeyError):
+                _call_through_hooks(context, raise_it_again)
+    assert key not in _first_call._done
     try:
         raise KeyError("handled by the caller")
     except KeyError:  # calls made while the caller handles an exception of its own still count
@@ -313,11 +349,13 @@ def test_a_fullgraph_call_that_compiled_no_frame_gives_its_turn_back(patches):
         with pytest.raises(RuntimeError, match="found no compiled frames"):
             compiled(torch.ones(2))
         assert not _first_call._turns[_first_call.turn_key(doubled)].lock.locked()
-    threadgraph.uninstall(["fullgraph_error_gives_turn_back"])
-    with pytest.raises(RuntimeError, match="found no compiled frames"):
-        compiled(torch.ones(2))
+    eval_frame = torch._dynamo.eval_frame
+    with pytest.MonkeyPatch.context() as patch:  # the patch's second target as torch has it
+        patch.setattr(eval_frame, "get_skip_reasons", eval_frame.get_skip_reasons.__wrapped__)
+        with pytest.raises(RuntimeError, match="found no compiled frames"):
+            compiled(torch.ones(2))
     turn = _first_call._turns[_first_call.turn_key(doubled)]
-    assert turn.lock.locked()  # without the patch the failed call keeps its turn
+    assert turn.lock.locked()  # without it the failed call keeps its turn
     turn.holder = turn.holder_ident = None
     turn.lock.release()
 

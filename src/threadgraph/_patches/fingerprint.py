@@ -21,7 +21,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
@@ -83,7 +82,11 @@ def of_node(node: ast.AST) -> str:
 
 def of_source(source: str) -> str:
     """The fingerprint of a definition's source text (``inspect.getsource`` of a function or class)."""
-    return of_node(ast.parse(textwrap.dedent(source)).body[0])
+    if source[:1] in (" ", "\t"):
+        # A method's text, indented: parsed as the body of a block, not dedented, which would change
+        # the text of its multi-line string literals.
+        return of_node(ast.parse("if True:\n" + source).body[0].body[0])
+    return of_node(ast.parse(source).body[0])
 
 
 def _original(obj: Any) -> Any:

@@ -118,9 +118,20 @@ def _describe(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+SKIP_REASONS = "torch._dynamo.eval_frame:get_skip_reasons"
+
+
+def more_targets() -> list[str]:
+    """``get_skip_reasons`` too, where a failing ``fullgraph=True`` call skips its exit hooks."""
+    return [SKIP_REASONS] if _compat.fullgraph_error_skips_exit_hooks() else []
+
+
 def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``OptimizeContext.__call__``: calls of the compiled function it returns take turns on their
-    code's first calls, through the context's enter hooks where it can, else through a wrapper."""
+    code's first calls, through the context's enter hooks where it can, else through a wrapper.
+    Also ``get_skip_reasons`` (``more_targets``): see ``_turn_given_back_on_fullgraph_error``."""
+    if getattr(wrapped, "__name__", None) == "get_skip_reasons":
+        return _turn_given_back_on_fullgraph_error(wrapped, args, kwargs)
     compiled = wrapped(*args, **kwargs)
     fn = args[0] if args else kwargs.get("fn")
     if isinstance(compiled, torch.nn.Module) or not callable(compiled):
@@ -128,7 +139,8 @@ def first_call_in_turn(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     key = turn_key(fn)
     if key is None:
         return compiled
-    if isinstance(getattr(instance, "enter_exit_hooks", None), list) and _arm(instance, key, _describe(fn)):
+    if isinstance(getattr(instance, "enter_exit_hooks", None), list):
+        _arm(instance, key, _describe(fn))
         return compiled
     return in_turn(compiled, key, _describe(fn))
 
@@ -145,8 +157,13 @@ def _enter_turn(key: Hashable, name: str) -> Optional[Callable[[bool], None]]:
     if not got:
         state = current_worker()
         started = time.perf_counter()
-        with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
-            got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
+        try:
+            with released(), doing(state, f"waiting for {turn.holder or 'another thread'} to compile {name}"):
+                got = turn.lock.acquire(timeout=DEFAULT_TIMEOUT_S)
+        except BaseException:  # taking the slots back failed (GateTimeout): the turn goes back too
+            if got:
+                turn.lock.release()
+            raise
         if state is not None:
             state.turn_wait_seconds += time.perf_counter() - started
     if not got:
@@ -177,65 +194,116 @@ def _no_exit() -> None:
     return None
 
 
+def _called_function() -> Any:
+    """The function the running ``compile_wrapper`` calls (its free variable ``fn``), found among
+    the frames of the hook's callers; None where no such frame is near."""
+    frame = sys._getframe(1)  # up from here: the hook, compile_wrapper's list comprehension (<= 3.11)
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "compile_wrapper":
+            return frame.f_locals.get("fn")
+        frame = frame.f_back
+    return None
+
+
 class _TurnHook:
-    """An enter hook of one Dynamo context: each call of the function it compiles takes the turn of
-    ``key`` until the key settles; then the hook takes itself out of the context's hooks."""
+    """An enter hook of one Dynamo context: each call of a function the context compiles takes the
+    turn of that function's key until the key settles; once every key of the context settled, the
+    hook takes itself out of the context's hooks. A context that compiles several functions runs
+    the hook for each of them: the hook then finds the function called in the caller's frame."""
 
     def __init__(self, context: Any, key: Hashable, name: str) -> None:
         self.context = weakref.ref(context)  # _armed's value: a strong one would keep its key alive
-        self.key, self.name = key, name
+        self.keys = {key: name}
+
+    def settled(self) -> bool:
+        return all(key in _done for key in self.keys)
+
+    def _key_of_this_call(self) -> Optional[Hashable]:
+        if len(self.keys) == 1:
+            return next(iter(self.keys))
+        key = turn_key(_called_function())
+        if key not in self.keys:
+            _warn_once("threadgraph: cannot tell which function of a torch.compile context that compiles "
+                       "several is called; their first calls take no turns (concurrent first calls may "
+                       "compile once each)")
+            return None
+        return key
 
     def __call__(self) -> Callable[[], None]:
-        if self.key in _done:
-            _disarm(self)
+        key = self._key_of_this_call()
+        if key is None or key in _done:
+            if self.settled():
+                _disarm(self)
             return _no_exit
         if _compat.is_dynamo_compiling() or tracing_here():  # inside a trace a call takes no turn
             return _no_exit
-        end = _enter_turn(self.key, self.name)
+        end = _enter_turn(key, self.keys[key])
         if end is None:
             return _no_exit
         entry = (self.context(), end)
         held = _held()
         held.append(entry)
-        raised_before = sys.exc_info()[1]
+        handled_before = sys.exc_info()[1:]
 
         def exit_turn() -> None:
             # Dynamo runs exit hooks in a finally clause: an exception other than the one already
-            # being handled when the call began is the call's own.
-            if entry in held:  # else turn_given_back_on_fullgraph_error ended it
+            # being handled when the call began (or that one raised again, with a longer
+            # traceback) is the call's own.
+            if entry in held:  # else _turn_given_back_on_fullgraph_error ended it
                 held.remove(entry)
-                end(sys.exc_info()[1] is raised_before)
-                if self.key in _done:
+                now = sys.exc_info()[1:]
+                end(now[0] is handled_before[0] and now[1] is handled_before[1])
+                if self.settled():
                     _disarm(self)
 
         return exit_turn
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 _hooks_lock = threading.Lock()
 _armed: "weakref.WeakKeyDictionary[Any, _TurnHook]" = weakref.WeakKeyDictionary()  # context -> its hook
 
 
-def _arm(context: Any, key: Hashable, name: str) -> bool:
-    """Give ``context`` the turn hook of ``key``; False where it already has one for another key."""
+def _arm(context: Any, key: Hashable, name: str) -> None:
+    """Give ``context`` the turn hook for ``key`` (one hook a context, for all its functions)."""
     with _hooks_lock:
         hook = _armed.get(context)
-        if hook is not None:
-            return hook.key == key
-        hook = _armed[context] = _TurnHook(context, key, name)
-        if key not in _done:
+        if hook is None:
+            hook = _armed[context] = _TurnHook(context, key, name)
+        hook.keys.setdefault(key, name)
+        if not hook.settled() and hook not in context.enter_exit_hooks:
             # A new list, not an append: a call running the old one in another thread keeps it whole.
             context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
-        return True
 
 
 def _disarm(hook: _TurnHook) -> None:
     context = hook.context()
     with _hooks_lock:
-        if context is not None and hook in context.enter_exit_hooks:
+        # Settled again under the lock: forget() may have made its keys take turns meanwhile.
+        if context is not None and hook.settled() and hook in context.enter_exit_hooks:
             context.enter_exit_hooks = [h for h in context.enter_exit_hooks if h is not hook]
 
 
-def turn_given_back_on_fullgraph_error(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+def disarm_all() -> None:
+    """Take every turn hook out of its context (``uninstall``: torch's contexts as they were)."""
+    with _hooks_lock:
+        for context, hook in list(_armed.items()):
+            if hook in context.enter_exit_hooks:
+                context.enter_exit_hooks = [h for h in context.enter_exit_hooks if h is not hook]
+        _armed.clear()
+
+
+def _turn_given_back_on_fullgraph_error(wrapped: Callable, args: tuple, kwargs: dict) -> Any:
     """``eval_frame.get_skip_reasons``, which a ``fullgraph=True`` call asks only as it fails with
     "found no compiled frames", from where its context's exit hooks no longer run: the turn that
     call holds through its hook is given back here, as a failed call."""
@@ -305,6 +373,7 @@ def forget() -> None:
         for context, hook in list(_armed.items()):
             if hook not in context.enter_exit_hooks:
                 context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
+        _warned.clear()
 
 
 _backends_lock = threading.Lock()

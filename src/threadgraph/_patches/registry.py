@@ -43,6 +43,9 @@ class Patch:
     # Torch symbols the patch relies on besides its targets ("module:Owner.attribute"): install()
     # checks them, as it checks the targets, against the verified releases (``verify``).
     assumes: tuple = ()
+    # Run by uninstall once the targets are restored: what the patch changed beyond them (torch objects
+    # its wrappers changed as they ran) is put back.
+    undo: Optional[Callable[[], None]] = None
 
     def targets(self) -> list[str]:
         return [self.target, *self.more_targets()]
@@ -187,6 +190,9 @@ class Registry:
                     delattr(owner, attribute)
                 else:
                     setattr(owner, attribute, original)
+            undo = self._patches[name].undo
+            if undo is not None:
+                undo()
             log.debug("threadgraph: restored %s", self._patches[name].target)
 
     def uninstall(self, names: Optional[Iterable[str]] = None) -> list[str]:

@@ -71,7 +71,7 @@ CHECKS: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
     "compile_session_flag_is_global": (_compat.compile_session_flag_is_global, ("compile_flag_per_thread",)),
     "dynamo_contexts_have_enter_hooks": (_compat.dynamo_contexts_have_enter_hooks,
                                          ("worker_run_only_generation", "first_call_in_turn")),
-    "fullgraph_error_skips_exit_hooks": (_compat.fullgraph_error_skips_exit_hooks, ("fullgraph_error_gives_turn_back",)),
+    "fullgraph_error_skips_exit_hooks": (_compat.fullgraph_error_skips_exit_hooks, ("first_call_in_turn",)),
     "dynamo_frame_callback": (_compat.dynamo_frame_callback, ("gate_release_in_compile",)),
     "has_global_compile_lock": (_compat.has_global_compile_lock, ("gate_release_in_compile", "fx_trace_window")),
     "generation_counters_are_global": (_compat.generation_counters_are_global, ("worker_generation",)),
@@ -97,7 +97,6 @@ NOT_NEEDED = {
     "worker_run_only_generation": "Dynamo's contexts have no enter hooks (`enter_exit_hooks`)",
     "gate_release_in_compile": "Dynamo's frame callback is not a `CatchErrorsWrapper`",
     "fx_trace_window": "FX keeps its active patcher per thread",
-    "fullgraph_error_gives_turn_back": "a `fullgraph=True` call that compiled no frame does not fail past its exit hooks",
     "accelerator_capture_begin_exclusive": "this torch has no `torch.accelerator.Graph`",
     "accelerator_capture_end_exclusive": "this torch has no `torch.accelerator.Graph`",
 }
