@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import queue
 import sys
@@ -69,6 +70,13 @@ def response_text(tokenizer: Any, ids: list[int], reasoning: str) -> str:
     return text
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword ``generate()`` takes a KV cache object by: ``cache`` where the model's ``forward``
+    takes one so (recent transformers 5 releases), else ``past_key_values``; an unknown keyword
+    fails ``generate()``'s argument check."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Progress:
     """Records done and generated tokens/s, on a tqdm bar (stderr)."""
 
@@ -110,6 +118,7 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
             # addresses, so the recorded graphs replay instead of recording again for a new cache.
             config = self.model.config.get_text_config(decoder=True)
             self.cache = StaticCache(config=config, max_cache_len=self.settings.max_cache_len)
+            self.cache_keyword = cache_keyword(self.model)
 
     def step(self) -> None:
         try:
@@ -136,7 +145,7 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
                       else {"do_sample": False})
         if s.compiled:  # the thread's own cache (one the model kept would be shared by the threads)
             self.cache.reset()
-            kwargs["cache"] = self.cache
+            kwargs[self.cache_keyword] = self.cache
             kwargs["compile_config"] = self.compile_config
         return kwargs
 

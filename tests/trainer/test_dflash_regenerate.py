@@ -160,3 +160,16 @@ def test_request_threads_regenerate_with_reduce_overhead_decoding_on_a_gpu(tiny_
     again = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cuda:0"],
                              compile="reduce-overhead", progress=False, max_new_tokens=16)
     assert again["generated"] == 0 and again["before"] == 12
+
+
+def test_the_cache_goes_to_generate_under_the_keyword_the_model_takes():
+    class Recent:
+        def forward(self, input_ids, attention_mask=None, cache=None, **kwargs):
+            pass
+
+    class Earlier:  # transformers releases whose models take the cache as past_key_values (5.17, say)
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, **kwargs):
+            pass
+
+    assert regen.cache_keyword(Recent()) == "cache"
+    assert regen.cache_keyword(Earlier()) == "past_key_values"
