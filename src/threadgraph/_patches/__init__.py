@@ -6,8 +6,8 @@ feature detection that decides whether it applies. docs/patches.md holds each pa
 releases it applies to, what was read and run, and when it can go.
 
 Each wrapper lives beside the mechanism it serves (``_device``, ``generation``, ``gate_wrappers``,
-``fx_flag``, ``fx_window``, ``first_call``, ``capture_lock``, ``compile_flag``); the feature
-detection it relies on is in ``_compat``.
+``fx_flag``, ``fx_window``, ``first_call``, ``backend_settings``, ``capture_lock``,
+``compile_flag``); the feature detection it relies on is in ``_compat``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from threadgraph._patches import backend_settings as _backend_settings
 from threadgraph._patches import capture_guard as _capture_guard
 from threadgraph._patches import capture_lock as _capture_lock
 
@@ -105,7 +106,7 @@ PATCHES = [
           _first_call.first_call_in_turn, more_targets=_first_call.more_targets, undo=_first_call.disarm_all,
           assumes=("torch._dynamo.eval_frame:innermost_fn", "torch._dynamo.eval_frame:_TorchDynamoContext.__call__")),
     Patch("inductor_backend_per_settings", "torch:_TorchCompileInductorWrapper", "concurrent-first-compile",
-          None, replace=_first_call.one_backend_per_settings),
+          None, replace=_backend_settings.one_backend_per_settings),
     Patch("gate_release_in_backward", "torch.autograd:backward", "autograd-device-thread",
           _gate_wrappers.release_slots),
     Patch("gate_release_in_grad", "torch.autograd:grad", "autograd-device-thread", _gate_wrappers.release_slots),
