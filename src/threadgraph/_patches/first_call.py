@@ -18,11 +18,12 @@ has settled only when a thread's second or later call of it compiled no frame.
 
 The turn is taken in an enter hook that the patch adds to the compiling context's own
 ``enter_exit_hooks``, which Dynamo runs at each call before it sets its frame callback; once the code
-has settled the hook leaves the list, and a call costs what it costs without threadgraph. Where a
-release has no such hooks, or a context already compiles another function (the hooks cannot tell
-its functions apart), the compiled function is wrapped instead, and a settled call costs that
-wrapper's frame. Each worker still warms up and records its own CUDA graphs in its own pool (the
-per-worker cudagraphify state, hazard shared-cudagraphify-state).
+has settled the hook leaves the list, and a call costs what it costs without threadgraph. A context
+that compiles several functions has one hook for all of them, which finds the function called in
+``compile_wrapper``'s frame. Where a release's contexts have no such hooks, the compiled function is
+wrapped instead, and a settled call costs that wrapper's frame. Each worker still warms up and
+records its own CUDA graphs in its own pool (the per-worker cudagraphify state, hazard
+shared-cudagraphify-state).
 
 The key of a turn is the code object of the compiled function, and for a bound method also the
 type of its instance (every ``torch.compile(module)`` compiles ``Module.__call__``). Limits: a
