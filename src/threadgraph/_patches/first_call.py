@@ -275,6 +275,16 @@ _hooks_lock = threading.Lock()
 _armed: "weakref.WeakKeyDictionary[Any, _TurnHook]" = weakref.WeakKeyDictionary()  # context -> its hook
 
 
+def _place(context: Any, hook: _TurnHook, present: bool) -> None:
+    """Put ``hook`` in ``context``'s enter hooks or take it out (callers hold ``_hooks_lock``). A new
+    list each time, not an edit: a call running the old list in another thread keeps it whole."""
+    hooks = context.enter_exit_hooks
+    if present and hook not in hooks:
+        context.enter_exit_hooks = [*hooks, hook]
+    elif not present and hook in hooks:
+        context.enter_exit_hooks = [h for h in hooks if h is not hook]
+
+
 def _arm(context: Any, key: Hashable, name: str) -> None:
     """Give ``context`` the turn hook for ``key`` (one hook a context, for all its functions)."""
     with _hooks_lock:
@@ -282,25 +292,23 @@ def _arm(context: Any, key: Hashable, name: str) -> None:
         if hook is None:
             hook = _armed[context] = _TurnHook(context, key, name)
         hook.keys.setdefault(key, name)
-        if not hook.settled() and hook not in context.enter_exit_hooks:
-            # A new list, not an append: a call running the old one in another thread keeps it whole.
-            context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
+        if not hook.settled():
+            _place(context, hook, True)
 
 
 def _disarm(hook: _TurnHook) -> None:
     context = hook.context()
     with _hooks_lock:
         # Settled again under the lock: forget() may have made its keys take turns meanwhile.
-        if context is not None and hook.settled() and hook in context.enter_exit_hooks:
-            context.enter_exit_hooks = [h for h in context.enter_exit_hooks if h is not hook]
+        if context is not None and hook.settled():
+            _place(context, hook, False)
 
 
 def disarm_all() -> None:
     """Take every turn hook out of its context (``uninstall``: torch's contexts as they were)."""
     with _hooks_lock:
         for context, hook in list(_armed.items()):
-            if hook in context.enter_exit_hooks:
-                context.enter_exit_hooks = [h for h in context.enter_exit_hooks if h is not hook]
+            _place(context, hook, False)
         _armed.clear()
 
 
@@ -372,6 +380,5 @@ def forget() -> None:
         _Forgotten.count += 1
         _local.__dict__.clear()
         for context, hook in list(_armed.items()):
-            if hook not in context.enter_exit_hooks:
-                context.enter_exit_hooks = [*context.enter_exit_hooks, hook]
+            _place(context, hook, True)
         _warned.clear()

@@ -9,13 +9,12 @@ backward on autograd's device thread reads them too. The patches that apply thes
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
 
 from threadgraph import _compat
-from threadgraph._patches import fingerprint
+from threadgraph._patches import verify
 from threadgraph._device.tls import bound, current_worker, worker_for_current_thread
 
 
@@ -53,11 +52,7 @@ BUMP_TARGET = "torch._dynamo.eval_frame:install_generation_tagging_init"
 def _verified_body(original: Callable[[], None]) -> bool:
     """Whether ``original`` has the body of a verified release (its fingerprint is recorded): there,
     once it has set ``nn.Module``'s generation tagging up, a call only moves the counter by one."""
-    try:
-        live = fingerprint.of_source(inspect.getsource(original))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return any(record["symbols"].get(BUMP_TARGET) == live for record in fingerprint.load()["releases"].values())
+    return verify.has_verified_code(BUMP_TARGET, original)
 
 
 def worker_generation_bump(original: Callable[[], None]) -> Callable[[], None]:

@@ -199,6 +199,16 @@ def _live_fingerprint(target: str) -> Optional[str]:
 _parsing = threading.Lock()
 
 
+def has_verified_code(target: str, obj: Callable[..., Any]) -> bool:
+    """Whether ``obj``, what stands at ``target`` now, has the code ``target`` has in a verified release."""
+    with _parsing:
+        try:
+            now = fingerprint.of_source(inspect.getsource(obj))
+        except (OSError, TypeError, SyntaxError):
+            return False
+    return any(record["symbols"].get(target) == now for record in fingerprint.load()["releases"].values())
+
+
 def differences(patches: Iterable[Any], exclude: Iterable[str] = ()) -> tuple[Optional[str], bool, list[Difference]]:
     """``(reference release, whether it is the running one, differences)`` of the patches install()
     would apply (``exclude`` left out) and of every check."""
