@@ -14,7 +14,6 @@ Samples are truncated/padded to seq_len (pad id = tokenizer pad, else eos, else 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -26,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from .data_chat import REASONING, plain_segments, template_segments
-from .errors import BadInput
+from .errors import BadInput, json_object
 from .drafter.loss import anchor_scores
 
 logger = logging.getLogger(__name__)
@@ -156,14 +155,7 @@ def _default_pad_id(tokenizer: Any) -> int:
 
 def _parse_line(text: str, where: str, tokenizer: Any, vocab_size: int | None, seq_len: int,
                 reasoning: str) -> tuple[list[int], list[int]]:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); write one JSON "
-                        f"object per line") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; use "
-                        f"{_FORMATS}")
+    record = json_object(text, where, DataError, _FORMATS)
     if "input_ids" in record:
         ids, mask = _pretokenized(record, where)
     elif "messages" in record:

@@ -7,6 +7,8 @@ Each message names the flag or file and the fix. SAFETY.md lists the exit codes.
 
 from __future__ import annotations
 
+import json
+
 from threadgraph import WorkerError
 
 EXIT_BAD_INPUT = 2  # argparse's own code for a bad flag
@@ -23,6 +25,19 @@ class MissingInput(BadInput, FileNotFoundError):
 
 class InputError(BadInput, ValueError):
     """A bad flag value found after the config was built (the config's own checks raise ValueError)."""
+
+
+def json_object(text: str, where: str, error: type, formats: str) -> dict:
+    """One line of a JSONL file as its object; else ``error`` (a BadInput) naming ``where``, what is
+    wrong and the ``formats`` to write instead."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: invalid JSON ({err.msg} at column {err.colno}); write one JSON object per "
+                    f"line") from None
+    if not isinstance(record, dict):
+        raise error(f"{where}: expected a JSON object, got {type(record).__name__}; use {formats}")
+    return record
 
 
 def bad_input_behind(err: BaseException) -> "BadInput | None":

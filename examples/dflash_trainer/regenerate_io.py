@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import BadInput
+from .errors import BadInput, json_object
 
 FORMATS = '{"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}'
 
@@ -74,13 +74,7 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
 
 
 def _prompt(text: str, where: str, index: int) -> Prompt:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PromptError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); write one JSON object per "
-                          f"line") from None
-    if not isinstance(record, dict):
-        raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}; use {FORMATS}")
+    record = json_object(text, where, PromptError, FORMATS)
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
