@@ -37,7 +37,7 @@ def run_sequential(cfg, warmup_batches: int) -> dict:
     kernel-busy time a round; and the kernels by name, per batch: thread_profile.probe_kernels)."""
     from examples.dflash_trainer.drafter.replica import SharedDrafterWeights
     from examples.dflash_trainer.pipeline import Pipeline
-    from examples.dflash_trainer.placement import place
+    from examples.dflash_trainer.run.placement import place
     from examples.dflash_trainer.routing import mean_into
     from examples.dflash_trainer.run.metrics import LOG_EVERY
 

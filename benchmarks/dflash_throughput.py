@@ -228,7 +228,7 @@ def parse_args(argv=None):
     gpu = common.on_gpu()
     args.devices = args.devices or ("cuda:0" if gpu else "cpu")
     from examples.dflash_trainer.config import TrainConfig
-    from examples.dflash_trainer.placement import available_devices
+    from examples.dflash_trainer.run.placement import available_devices
 
     try:  # here, not in each cell subprocess after an asset build
         available_devices(TrainConfig(devices=args.devices).device_list)

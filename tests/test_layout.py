@@ -141,3 +141,12 @@ def test_the_public_api_check_finds_a_private_import(tmp_path):
     found = library_privates_used([tmp_path / "x.py", tmp_path / "y.py"], root=tmp_path)
     assert sorted(found) == ["x.py: from threadgraph import _stats, install", "x.py: import threadgraph._device.gate",
                              "y.py: from threadgraph._device.fence import outside_captures", "y.py: threadgraph._patches"]
+
+
+def test_the_trainers_top_level_reads_as_its_pipeline():
+    # The data side (records, chat, cache, regeneration) and the run's control live in packages;
+    # the top level keeps the pipeline's own stages, at most 15 modules.
+    top = sorted(p.name for p in PACKAGES["examples.dflash_trainer"].glob("*.py"))
+    assert len(top) <= 15, top
+    packages = {p.name for p in PACKAGES["examples.dflash_trainer"].iterdir() if (p / "__init__.py").is_file()}
+    assert {"data", "regenerate", "run", "drafter", "assets", "export"} <= packages

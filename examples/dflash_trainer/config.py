@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .assets.shapes import SHAPES
-from .data_chat import REASONING
+from .data.chat import REASONING
 from .drafter.chunked_ce import DEFAULT_CHUNK_TOKENS
 
 # Paper's loss decay per block size (DFlash section 4): w_k = exp(-(k-1)/gamma).

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .data import TokenData
+from .data.records import TokenData
 from .errors import InputError
 from .target import TargetModel
 

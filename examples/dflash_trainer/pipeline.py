@@ -22,15 +22,15 @@ from . import distributed
 from .assets import sizes
 from .run.checkpoint import Checkpointer, RunFinished
 from .config import TrainConfig
-from .data import ShardBatches, TokenData, check_data_file, read_jsonl
-from .data_cache import data_cache_dir, read_cached
+from .data.records import ShardBatches, TokenData, check_data_file, read_jsonl
+from .data.cache import data_cache_dir, read_cached
 from .errors import InputError
 from .eval import Evaluator, prompts_of, read_prompts, split_held_out
 from .run.metrics import MetricsLogger, TrainingLog
-from .placement import available_devices
+from .run.placement import available_devices
 from .policy import ExecutionPolicy
 from .drafter.replica import DrafterReplica, SharedDrafterWeights
-from .schedule import Schedule
+from .run.schedule import Schedule
 from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetModel, TargetSource
 from .export.init_from import PublishedDrafter, read_published

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, MissingInput
-from .placement import canonical_device
+from .run.placement import canonical_device
 from .drafter.model import target_layer_ids
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .data import ShardBatches
+from .data.records import ShardBatches
 from .policy import ExecutionPolicy
 from .drafter.loss import anchors_from_scores
 from .drafter.step import make_target_step

@@ -21,7 +21,7 @@ from .drafter.replica import SharedDrafterWeights
 from .lead import Lead
 from .run.metrics import MetricsLogger
 from .pipeline import Pipeline
-from .placement import available_devices, place
+from .run.placement import available_devices, place
 from .policy import ExecutionPolicy
 from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl

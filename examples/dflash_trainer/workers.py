@@ -14,7 +14,7 @@ import torch
 
 import threadgraph
 
-from .data import ShardBatches
+from .data.records import ShardBatches
 from .lead import Lead
 from .run.metrics import PhaseTimes
 from .run.warmers import WarmerWait

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from examples.dflash_trainer.data import DataError, read_jsonl
+from examples.dflash_trainer.data.records import DataError, read_jsonl
 
 from tests.helpers.chat_tokenizer import qwen3_style_tokenizer
 

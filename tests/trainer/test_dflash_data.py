@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from examples.dflash_trainer.data import (DataError, SampleStream, ShardBatches, TokenData, anchor_seed, read_jsonl,
+from examples.dflash_trainer.data.records import (DataError, SampleStream, ShardBatches, TokenData, anchor_seed, read_jsonl,
                                           tokenize_lines)
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from examples.dflash_trainer import data_cache
+from examples.dflash_trainer.data import cache as data_cache
 from examples.dflash_trainer.config import TrainConfig
 
 from tests.helpers.chat_tokenizer import qwen3_style_tokenizer

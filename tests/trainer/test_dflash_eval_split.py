@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from examples.dflash_trainer.data import TokenData
+from examples.dflash_trainer.data.records import TokenData
 from examples.dflash_trainer.errors import InputError
 from examples.dflash_trainer.eval import prompts_of, split_held_out
 from examples.dflash_trainer.pipeline import Pipeline

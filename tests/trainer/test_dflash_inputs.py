@@ -13,11 +13,11 @@ import pytest
 
 from examples.dflash_trainer import __main__ as cli
 from examples.dflash_trainer.assets import assets as assets_module
-from examples.dflash_trainer import data as data_module
+from examples.dflash_trainer.data import records as data_module
 from examples.dflash_trainer.assets import shapes as shapes_module
 from examples.dflash_trainer import target as target_module
 from examples.dflash_trainer.assets.assets import BuildSpec, CacheDirError, default_assets
-from examples.dflash_trainer.data import read_jsonl, tokenize_lines
+from examples.dflash_trainer.data.records import read_jsonl, tokenize_lines
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT, InputError, MissingInput
 from examples.dflash_trainer.target import TargetModel
 from tests.helpers.tiny_run import tiny_cli

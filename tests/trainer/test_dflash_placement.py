@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from examples.dflash_trainer.placement import available_devices, place
+from examples.dflash_trainer.run.placement import available_devices, place
 
 
 def test_eight_gpus_give_every_worker_its_own():

@@ -8,7 +8,7 @@ import torch
 
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.policy import ExecutionPolicy
-from examples.dflash_trainer.schedule import Schedule
+from examples.dflash_trainer.run.schedule import Schedule
 
 
 @pytest.mark.parametrize("compile, cuda_graphs, dtype, devices, mode, bf16", [

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from examples.dflash_trainer.data import DataError, read_jsonl
+from examples.dflash_trainer.data.records import DataError, read_jsonl
 from examples.dflash_trainer.drafter.step import make_update
 from examples.dflash_trainer.pipeline import Pipeline
 from examples.dflash_trainer.run import outdir

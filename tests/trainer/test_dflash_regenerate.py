@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer import regenerate as regen
+from examples.dflash_trainer.regenerate import __main__ as regen
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer.regenerate_io import Prompt, read_prompts
+from examples.dflash_trainer.regenerate.io import Prompt, read_prompts
 
 from tests.helpers.chat_tokenizer import qwen3_style_tokenizer
 
@@ -125,7 +125,7 @@ def test_the_static_cache_of_a_compiled_run_generates_what_the_eager_path_does(t
     compile: the same greedy records."""
     import queue
 
-    from examples.dflash_trainer.regenerate_io import Output
+    from examples.dflash_trainer.regenerate.io import Output
     from examples.dflash_trainer.target import TargetModel
 
     prompts_file = _prompts(tmp_path / "p.jsonl", 4)

@@ -10,7 +10,7 @@ import torch
 
 from examples.dflash_trainer.drafter.replica import SharedDrafterWeights
 from examples.dflash_trainer.pipeline import Pipeline
-from examples.dflash_trainer.placement import available_devices, place
+from examples.dflash_trainer.run.placement import available_devices, place
 from examples.dflash_trainer.routing import GradientAverager
 
 from tests.helpers.tiny_run import tiny_config

@@ -29,7 +29,7 @@ from ..config import TrainConfig
 from .grads import FlatGrads, GradAccumulator, make_optimizer
 from .model import DFlashDrafter
 from ..policy import ExecutionPolicy
-from ..schedule import Schedule
+from ..run.schedule import Schedule
 from .step import METRIC_NAMES, make_forward_backward, make_step_fn, make_update
 from ..target import TargetModel
 from ..export.init_from import PublishedDrafter, load_into

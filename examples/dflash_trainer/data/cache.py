@@ -21,9 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import data as data_module
-from . import data_chat
-from .data import TokenData, read_jsonl
+from . import chat, records
+from .records import TokenData, read_jsonl
 
 log = logging.getLogger("dflash")
 
@@ -31,7 +30,7 @@ CACHE_DIR = "dflash-data"
 
 
 def default_cache_dir() -> Path:
-    from .assets.assets import default_cache_root
+    from ..assets.assets import default_cache_root
 
     return default_cache_root() / CACHE_DIR
 
@@ -67,7 +66,7 @@ def _file_digest(path: Path) -> str:
 
 def cache_key(path: Path, *, tokenizer: Any, seq_len: int, vocab_size: Optional[int], pad_id: Optional[int],
               reasoning: str) -> str:
-    code = b"".join(Path(module.__file__).read_bytes() for module in (data_module, data_chat))
+    code = b"".join(Path(module.__file__).read_bytes() for module in (records, chat))
     parts = {"data": _file_digest(path), "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": seq_len,
              "vocab_size": vocab_size, "pad_id": pad_id, "reasoning": reasoning,
              "code": hashlib.sha256(code).hexdigest()}

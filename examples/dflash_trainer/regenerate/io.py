@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import BadInput, json_object
+from ..errors import BadInput, json_object
 
 FORMATS = '{"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}'
 

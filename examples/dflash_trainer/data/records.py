@@ -24,9 +24,9 @@ from typing import Any, Iterable
 
 import torch
 
-from .data_chat import REASONING, plain_segments, template_segments
-from .errors import BadInput, json_object
-from .drafter.loss import anchor_scores
+from .chat import REASONING, plain_segments, template_segments
+from ..errors import BadInput, json_object
+from ..drafter.loss import anchor_scores
 
 logger = logging.getLogger(__name__)
 

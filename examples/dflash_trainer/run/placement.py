@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ graphs, which threadgraph makes work in threads); on a CPU eagerly. Greedy by de
 ``--temperature``; reasoning kept as the target writes it, or dropped (``enable_thinking=False`` for
 templates that know it, and any ``<think>`` block cut from the response).
 
-The output is appended record by record (regenerate_io), so a killed run, started again with the same
+The output is appended record by record (regenerate.io), so a killed run, started again with the same
 command, continues: no record is lost or written twice.
 """
 
@@ -29,9 +29,9 @@ import torch
 
 import threadgraph
 
-from .data_chat import THINK_CLOSE, THINK_OPEN
-from .errors import InputError, report_failure
-from .regenerate_io import Output, Prompt, read_prompts
+from ..data.chat import THINK_CLOSE, THINK_OPEN
+from ..errors import InputError, report_failure
+from .io import Output, Prompt, read_prompts
 
 log = logging.getLogger("dflash")
 
@@ -153,7 +153,7 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
 def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: Optional[list[str]] = None,
                compile: str = "auto", progress: bool = True, **settings: Any) -> dict:
     """Generate the missing records of ``out``; returns counts (done before, generated now, total)."""
-    from .target import TargetModel
+    from ..target import TargetModel
 
     prompts = read_prompts(data)
     output = Output(out, prompts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
