@@ -27,6 +27,7 @@ COMMANDS = {
     "install-overhead": ("measure", "install_overhead", ()),
     "call-overhead": ("measure", "call_overhead", ()),
     "dflash-loss-memory": ("measure", "dflash_loss_memory", ()),
+    "regenerate-throughput": ("measure", "regenerate_throughput", ()),
     "fence-overhead": ("measure", "fence_overhead", ()),
     "gil-profile": ("measure", "gil_profile", ()),
     "gpu-scenarios": ("collect", "gpu_scenarios_results", ("gpu-scenarios",)),

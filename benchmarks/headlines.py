@@ -154,6 +154,28 @@ def call_overhead(data: dict) -> list:
              f"({every['per_call_us']:.2f} / {none['per_call_us']:.2f} us)")]
 
 
+def regenerate_throughput(data: dict) -> list:
+    """The fastest cell of each decoding path, and transformers' generate_batch() beside them."""
+    where = "CPU" if not data["env"].get("gpu") else data["env"]["gpu"]
+    best: dict = {}
+    for row in data["rows"]:
+        if row.get("steady_tokens_per_s") and row["steady_tokens_per_s"] > best.get(row["decode"], {}).get(
+                "steady_tokens_per_s", 0):
+            best[row["decode"]] = row
+    found = []
+    for decode, row in sorted(best.items(), key=lambda item: -item[1]["steady_tokens_per_s"]):
+        figure = (f"{row['steady_tokens_per_s']:,.0f} generated tokens/s steady, {row['fraction_of_bound']:.0%} of the "
+                  f"memory-bandwidth bound ({row['bound_tokens_per_s']:,.0f}); startup {row['startup_s']:.0f} s")
+        if "above_bound" in row:
+            figure += " (ABOVE the bound: a measurement error)"
+        found.append((f"regeneration, {data['shape']} shape, {decode}, {row['threads']} thread(s) x batch "
+                      f"{row['batch']}, {where}", figure))
+    failed = [f"{r['decode']}:{r['threads']}:{r['batch']}" for r in data["rows"] if "error" in r]
+    if failed:
+        found.append((f"regeneration, {data['shape']} shape, {where}", f"cells that failed: {', '.join(failed)}"))
+    return found
+
+
 def conformance(data: dict) -> list:
     differing = [row["case"] for row in data["rows"] if not row["equal"]]
     figure = f"{data['equal']} of {data['cases']} cases observe the same in all {len(data['placements'])} placements"
@@ -202,7 +224,7 @@ EXTRACTORS = {"replay": replay, "dflash-throughput": dflash_throughput, "dflash-
               "gil-profile": gil_profile, "fence-matrix": fence_matrix, "fence-overhead": fence_overhead,
               "gpu-scenarios": gpu_scenarios, "dflash-tau-reproducibility": tau_reproducibility,
               "install-overhead": install_overhead, "call-overhead": call_overhead, "conformance": conformance,
-              "dflash-loss-memory": dflash_loss_memory}
+              "dflash-loss-memory": dflash_loss_memory, "regenerate-throughput": regenerate_throughput}
 
 
 def extractor(theme: str):

@@ -106,6 +106,8 @@ THEMES: dict[str, dict[str, Any]] = {
     "conformance": {"placements": list, "cases": int, "equal": int, "rows": list},
     "gpu-scenarios": {},  # phases by label, each a dict: checked below
     "dflash-loss-memory": {"env": dict, "vocab": int, "dense_peak_bytes": int, "chunked_peak_bytes": int},
+    "regenerate-throughput": {"env": dict, "shape": str, "args": dict, "rows": list,
+                              "rows[]": {"decode": str, "threads": int, "batch": int}},
 }
 TRAINER_RUN = {"eval": dict, "baseline": dict, "mode": str, "total_steps": int, "placement": str}
 

@@ -8,9 +8,13 @@ Prompt lines (JSONL, blank lines ignored; a record's index counts the non-blank 
   last assistant turn is replaced by the target's.
 
 Output lines: {"index": i, "prompt": str, "response": str, "tokens": n} or {"index": i, "messages":
-[..., {"role": "assistant", "content": str}], "tokens": n}: the trainer's own record formats. Each is
-written whole, flushed and fsynced before the next, so a kill leaves at most one torn last line,
-which the next run cuts off; records already there (by index) are not generated again.
+[..., {"role": "assistant", "content": str}], "tokens": n}: the trainer's own record formats, with
+``"truncated": true`` where ``--max-new-tokens`` (or the target's positions) cut the response before
+its end of turn. Records are written in prompt-index order whichever thread or batch finished first,
+so two runs of the same prompts write the same file. Each is written whole, flushed and fsynced
+before the next, so a kill leaves at most one torn last line, which the next run cuts off; records
+already there (by index) are not generated again. One run at a time writes an output: it holds an
+advisory lock on the file while it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, the other checks still hold
+    fcntl = None
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -43,11 +52,15 @@ class Prompt:
             return record.get("prompt") == self.messages[-1]["content"]
         return isinstance(record.get("messages"), list) and record["messages"][:-1] == list(self.messages)
 
-    def record(self, text: str, tokens: int) -> dict:
+    def record(self, text: str, tokens: int, truncated: bool = False) -> dict:
         if self.as_prompt:
-            return {"index": self.index, "prompt": self.messages[-1]["content"], "response": text, "tokens": tokens}
-        return {"index": self.index, "messages": [*self.messages, {"role": "assistant", "content": text}],
-                "tokens": tokens}
+            record = {"index": self.index, "prompt": self.messages[-1]["content"], "response": text, "tokens": tokens}
+        else:
+            record = {"index": self.index, "messages": [*self.messages, {"role": "assistant", "content": text}],
+                      "tokens": tokens}
+        if truncated:
+            record["truncated"] = True
+        return record
 
 
 def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
@@ -92,20 +105,51 @@ def _prompt(text: str, where: str, index: int) -> Prompt:
     raise PromptError(f"{where}: no 'prompt' string or 'messages' list (keys {sorted(record)}); use {FORMATS}")
 
 
+class OutputError(BadInput, OSError):
+    """An output file this run cannot write, or one another run is writing."""
+
+
 class Output:
     """The output file: the indices already done (a torn last line cut off first), and the writer
-    the request threads share."""
+    the request threads share, which puts records into the file in prompt-index order.
+
+    ``put`` takes a finished record; ``skip`` an index that gets no record (a prompt too long for
+    the target). Records are held until every index before theirs is written or skipped, so at most
+    the records of work in flight wait in memory, and a kill loses only those (the next run
+    generates them again)."""
 
     def __init__(self, path: str | os.PathLike[str], prompts: list[Prompt]) -> None:
         self.path = Path(path)
         if self.path.is_dir():
-            raise PromptError(f"--out {self.path} is a directory; pass a .jsonl file path")
+            raise OutputError(f"--out {self.path} is a directory; pass a .jsonl file path")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+        except OSError as err:
+            raise OutputError(f"--out {self.path} cannot be written ({err.strerror or err}); pass a path in a "
+                              f"writable directory") from None
+        self._lock_file()
         self.done: set[int] = set()
-        if self.path.is_file():
+        try:
             self._resume(prompts)
+        except BaseException:
+            self._file.close()
+            raise
         self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
+        self._count = len(prompts)
+        self._waiting: dict[int, Optional[dict]] = {}  # finished (a record) or skipped (None), not yet written
+        self._next = 0
+        self._advance()
+
+    def _lock_file(self) -> None:
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise OutputError(f"--out {self.path} is being written by another regeneration run; wait for it to end "
+                              f"or pass another --out") from None
 
     def _resume(self, prompts: list[Prompt]) -> None:
         data = self.path.read_bytes()
@@ -128,17 +172,45 @@ class Output:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def write(self, record: dict) -> None:
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    def put(self, record: dict) -> None:
+        """A finished record; written once every index before it is written or skipped."""
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self.done.add(record["index"])
+            self._waiting[record["index"]] = record
+            self._advance()
+
+    def skip(self, index: int) -> None:
+        """An index that gets no record in this run."""
+        with self._lock:
+            self._waiting[index] = None
+            self._advance()
+
+    @property
+    def waiting(self) -> int:
+        """Finished records held back until the ones before them are written."""
+        with self._lock:
+            return sum(r is not None for r in self._waiting.values())
+
+    def _advance(self) -> None:
+        while self._next < self._count:
+            if self._next in self.done:
+                self._next += 1
+            elif self._next in self._waiting:
+                record = self._waiting.pop(self._next)
+                if record is not None:
+                    self._write(record)
+                self._next += 1
+            else:
+                return
+
+    def _write(self, record: dict) -> None:
+        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done.add(record["index"])
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            self._file.close()  # closing drops the lock
 
 
 def _done_record(line: bytes) -> Optional[dict]:
