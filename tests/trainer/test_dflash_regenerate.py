@@ -1,5 +1,7 @@
-"""python -m examples.dflash_trainer.regenerate: the target's own responses from request threads,
-resumable after a kill with no record lost or written twice, one line for a prompt file it cannot use."""
+"""python -m examples.dflash_trainer.regenerate: the target's own responses, decoded in batches by
+request threads; records in prompt-index order whatever the decoder, thread count or batch size,
+resumable after a kill with no record lost or written twice, one writer per --out, one line for a
+prompt file it cannot use."""
 
 import json
 import os
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.regenerate import __main__ as regen
 from examples.dflash_trainer.errors import EXIT_BAD_INPUT
-from examples.dflash_trainer.regenerate.io import Prompt, read_prompts
+from examples.dflash_trainer.regenerate import __main__ as cli
+from examples.dflash_trainer.regenerate import run as regen
+from examples.dflash_trainer.regenerate.decode import cache_keyword
+from examples.dflash_trainer.regenerate.io import Output, Prompt, read_prompts
 
 from tests.helpers.chat_tokenizer import qwen3_style_tokenizer
 
@@ -48,7 +52,7 @@ def test_a_killed_run_continues_with_no_record_lost_or_repeated(tiny_assets, tmp
     prompts = _prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "out.jsonl"
     argv = ["--target", str(tiny_assets.target_dir), "--data", str(prompts), "--out", str(out), "--threads", "3",
-            "--max-new-tokens", "12", "--devices", "cpu"]
+            "--batch-size", "2", "--max-new-tokens", "12", "--devices", "cpu"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     proc = subprocess.Popen([sys.executable, "-m", "examples.dflash_trainer.regenerate", *argv], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -64,17 +68,17 @@ def test_a_killed_run_continues_with_no_record_lost_or_repeated(tiny_assets, tmp
     with open(out, "ab") as f:
         f.write(b'{"index": 39, "prompt": "import os\\nclass A3')  # what a kill mid-write leaves
     counts = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cpu"],
-                              progress=False, max_new_tokens=12)
+                              progress=False, max_new_tokens=12, batch_size=2)
     assert counts["before"] == before.count(b"\n") and counts["records"] == PROMPTS
     assert counts["generated"] == PROMPTS - counts["before"]
     assert out.read_bytes().startswith(before)  # what was written before the kill is kept as it was
     records = _records(out)
-    assert sorted(r["index"] for r in records) == list(range(PROMPTS))  # each once
-    # greedy: the resumed run wrote what one uninterrupted run writes
+    assert [r["index"] for r in records] == list(range(PROMPTS))  # each once, in index order
+    # greedy: the resumed run wrote what one uninterrupted run writes, byte for byte
     whole = tmp_path / "whole.jsonl"
     regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(whole), threads=2, devices=["cpu"], progress=False,
-                     max_new_tokens=12)
-    assert sorted(records, key=lambda r: r["index"]) == sorted(_records(whole), key=lambda r: r["index"])
+                     max_new_tokens=12, batch_size=4)
+    assert out.read_bytes() == whole.read_bytes()
     assert all(r["tokens"] > 0 and "stale" not in json.dumps(r) for r in records)
     source = read_prompts(prompts)
     assert all(source[r["index"]].matches(r) for r in records)
@@ -92,7 +96,7 @@ def test_a_prompt_file_it_cannot_use_is_one_line_and_exit_2(tiny_assets, tmp_pat
     path = tmp_path / ("nowhere.jsonl" if content is None else "p.jsonl")
     if content is not None:
         path.write_bytes(content)
-    code = regen.main(["--target", str(tiny_assets.target_dir), "--data", str(path), "--out",
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(path), "--out",
                        str(tmp_path / "out.jsonl"), "--devices", "cpu", "--no-progress"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == EXIT_BAD_INPUT and last.startswith("error: ") and re.search(said, last), last
@@ -101,7 +105,7 @@ def test_a_prompt_file_it_cannot_use_is_one_line_and_exit_2(tiny_assets, tmp_pat
 def test_an_output_of_other_prompts_is_refused(tiny_assets, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"index": 0, "prompt": "something else", "response": "x"}) + "\n")
-    code = regen.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
                        "--out", str(out), "--devices", "cpu", "--no-progress"])
     assert code == EXIT_BAD_INPUT
     assert "holds record 0 of another prompt file" in capsys.readouterr().err.strip().splitlines()[-1]
@@ -119,46 +123,16 @@ def test_reasoning_drop_turns_thinking_off_and_cuts_a_think_block():
     assert regen.response_text(tokenizer, ids, "drop") == "four"
 
 
-def test_the_static_cache_of_a_compiled_run_generates_what_the_eager_path_does(tiny_assets, tmp_path):
-    """The GPU path's generate() arguments (the thread's own StaticCache, reset and reused by every
-    request, the reduce-overhead compile config), run here on the CPU, where transformers does not
-    compile: the same greedy records."""
-    import queue
-
-    from examples.dflash_trainer.regenerate.io import Output
-    from examples.dflash_trainer.target import TargetModel
-
-    prompts_file = _prompts(tmp_path / "p.jsonl", 4)
-    eager = tmp_path / "eager.jsonl"
-    regen.regenerate(str(tiny_assets.target_dir), str(prompts_file), str(eager), threads=1, devices=["cpu"],
-                     progress=False, max_new_tokens=10)
-    target = TargetModel.from_pretrained(tiny_assets.target_dir, num_feature_layers=1, device="cpu")
-    prompts = read_prompts(prompts_file)
-    longest = max(len(regen.render(target.tokenizer, p, "keep")) for p in prompts)
-    work = queue.Queue()
-    for p in prompts:
-        work.put(p.index)
-    static = tmp_path / "static.jsonl"
-    output = Output(static, prompts)
-    worker = regen.RequestWorker(0, "cpu", model=target.model, tokenizer=target.tokenizer, prompts=prompts, work=work,
-                                 output=output, settings=regen.Settings(max_new_tokens=10, compiled=True,
-                                                                        max_cache_len=longest + 10), progress=None)
-    worker.setup()
-    while not worker.stopping:  # the worker's own steps, in this thread
-        worker.step()
-    output.close()
-    assert _records(static) == _records(eager)
-
-
 @pytest.mark.gpu
-def test_request_threads_regenerate_with_reduce_overhead_decoding_on_a_gpu(tiny_assets, tmp_path):
+@pytest.mark.parametrize("decode", ["step", "generate", "continuous"])
+def test_request_threads_regenerate_in_batches_on_a_gpu(tiny_assets, tmp_path, decode):
     prompts, out = _prompts(tmp_path / "p.jsonl", 12), tmp_path / "out.jsonl"
     counts = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cuda:0"],
-                              compile="reduce-overhead", progress=False, max_new_tokens=16)
+                              decode=decode, batch_size=4, progress=False, max_new_tokens=16)
     assert counts["generated"] == 12 and counts["tokens"] > 0
-    assert sorted(r["index"] for r in _records(out)) == list(range(12))
+    assert [r["index"] for r in _records(out)] == list(range(12))
     again = regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), threads=3, devices=["cuda:0"],
-                             compile="reduce-overhead", progress=False, max_new_tokens=16)
+                             decode=decode, batch_size=4, progress=False, max_new_tokens=16)
     assert again["generated"] == 0 and again["before"] == 12
 
 
@@ -171,5 +145,129 @@ def test_the_cache_goes_to_generate_under_the_keyword_the_model_takes():
         def forward(self, input_ids, attention_mask=None, past_key_values=None, **kwargs):
             pass
 
-    assert regen.cache_keyword(Recent()) == "cache"
-    assert regen.cache_keyword(Earlier()) == "past_key_values"
+    assert cache_keyword(Recent()) == "cache"
+    assert cache_keyword(Earlier()) == "past_key_values"
+
+
+def _run(tiny_assets, prompts, out, **kwargs):
+    kwargs = {"threads": 1, "devices": ["cpu"], "progress": False, "max_new_tokens": 10, **kwargs}
+    return regen.regenerate(str(tiny_assets.target_dir), str(prompts), str(out), **kwargs)
+
+
+@pytest.mark.parametrize("decode, threads, batch_size", [
+    ("generate", 1, 4), ("generate", 3, 2), ("step", 1, 5), ("step", 2, 3), ("continuous", 1, 4), ("continuous", 2, 3)])
+def test_batched_greedy_records_equal_the_batch_1_ones_in_index_order(tiny_assets, tmp_path, decode, threads, batch_size):
+    prompts = _prompts(tmp_path / "p.jsonl", 10)
+    one = tmp_path / "one.jsonl"
+    _run(tiny_assets, prompts, one, batch_size=1, decode="generate")
+    batched = tmp_path / "batched.jsonl"
+    counts = _run(tiny_assets, prompts, batched, threads=threads, batch_size=batch_size, decode=decode)
+    assert counts["generated"] == 10 and counts["decode"] == decode
+    assert [r["index"] for r in _records(batched)] == list(range(10))
+    assert batched.read_bytes() == one.read_bytes()
+
+
+def test_sampled_records_depend_on_the_seed_alone_not_on_thread_or_batch(tiny_assets, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", 8)
+    runs = {}
+    for name, kwargs in {"a": {"batch_size": 1, "decode": "generate"}, "b": {"batch_size": 3, "threads": 2,
+                                                                            "decode": "generate"},
+                         "c": {"batch_size": 4, "decode": "step"}, "d": {"batch_size": 4, "decode": "step", "seed": 1}}.items():
+        out = tmp_path / f"{name}.jsonl"
+        _run(tiny_assets, prompts, out, temperature=1.5, top_p=0.95, seed=kwargs.pop("seed", 7), **kwargs)
+        runs[name] = out.read_bytes()
+    greedy = tmp_path / "greedy.jsonl"
+    _run(tiny_assets, prompts, greedy, batch_size=4)
+    assert runs["a"] == runs["b"] == runs["c"]
+    assert runs["d"] != runs["a"] and runs["a"] != greedy.read_bytes()
+
+
+def test_a_response_cut_by_the_token_limit_says_so(tiny_assets, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", 6)
+    out = tmp_path / "out.jsonl"
+    counts = _run(tiny_assets, prompts, out, batch_size=3, max_new_tokens=3)
+    records = _records(out)
+    assert all(r["tokens"] == 3 for r in records)
+    assert counts["truncated"] == sum(r.get("truncated", False) for r in records) > 0
+    # a response that ended by itself within the limit carries no mark: a stop token at its end
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets.target_dir))
+    longer = tmp_path / "longer.jsonl"
+    _run(tiny_assets, prompts, longer, batch_size=3, max_new_tokens=40)
+    for record in _records(longer):
+        assert record.get("truncated", False) == (record["tokens"] == 40)
+    assert tokenizer is not None
+
+
+def test_a_prompt_longer_than_the_targets_positions_is_skipped_and_counted(tiny_assets, tmp_path, caplog):
+    from transformers import AutoConfig
+
+    positions = AutoConfig.from_pretrained(str(tiny_assets.target_dir)).max_position_embeddings
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "import os"}, {"prompt": "x " * (positions + 10)}, {"prompt": "class A:"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out.jsonl"
+    with caplog.at_level("WARNING", logger="dflash"):
+        counts = _run(tiny_assets, path, out, batch_size=2)
+    assert counts["skipped"] == 1 and counts["generated"] == 2
+    assert [r["index"] for r in _records(out)] == [0, 2]
+    assert "1 prompt(s) skipped, longer than the target's" in caplog.text
+    again = _run(tiny_assets, path, out, batch_size=2)  # resumed: the skipped one is skipped again, nothing repeats
+    assert again["generated"] == 0 and again["skipped"] == 1 and len(_records(out)) == 2
+
+
+def test_records_wait_for_the_ones_before_them():
+    prompts = [Prompt(i, ({"role": "user", "content": f"p{i}"},), as_prompt=True) for i in range(4)]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "o.jsonl")
+        output = Output(out, prompts)
+        output.put(prompts[2].record("c", 1))
+        output.put(prompts[1].record("b", 1))
+        assert out.read_bytes() == b"" and output.waiting == 2
+        output.skip(0)
+        assert [r["index"] for r in _records(out)] == [1, 2] and output.waiting == 0
+        output.put(prompts[3].record("d", 1, truncated=True))
+        output.close()
+        assert _records(out)[-1] == {"index": 3, "prompt": "p3", "response": "d", "tokens": 1, "truncated": True}
+
+
+def test_a_second_run_on_the_same_out_is_refused(tiny_assets, tmp_path):
+    prompts_file = _prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    holder = Output(out, read_prompts(prompts_file))  # this process is the first run, writing
+    try:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+        proc = subprocess.run([sys.executable, "-m", "examples.dflash_trainer.regenerate", "--target",
+                               str(tiny_assets.target_dir), "--data", str(prompts_file), "--out", str(out),
+                               "--devices", "cpu", "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        holder.close()
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == EXIT_BAD_INPUT
+    assert re.fullmatch(r"error: --out .*out\.jsonl is being written by another regeneration run; wait for it to end "
+                        r"or pass another --out", last), last
+    assert out.read_bytes() == b""
+
+
+def test_an_unwritable_out_is_exit_2_naming_out(tiny_assets, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
+                     "--out", str(blocker / "out.jsonl"), "--devices", "cpu", "--no-progress"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_BAD_INPUT and last.startswith("error: --out ") and "cannot be written" in last, last
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--decode", "continuous", "--temperature", "0.7"], "--decode continuous is greedy only"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tiny_assets, tmp_path, capsys, argv, said):
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
+                     "--out", str(tmp_path / "o.jsonl"), "--devices", "cpu", "--no-progress", *argv])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_BAD_INPUT and said in last, last

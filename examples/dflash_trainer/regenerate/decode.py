@@ -147,7 +147,7 @@ class StepDecoder(Decoder):
         return self.sampler(out.logits[:, -1], rows, steps)
 
     def run(self, batch: Batch) -> list[Generated]:
-        rows = self.batch_size if self.accelerated else len(batch.rows)
+        rows = self.batch_size  # always: the cache is sized by its first batch
         tokens, prompt_mask, indices = self._left_padded(batch, rows)
         width = tokens.shape[1]
         # One mask for the whole batch: each row's left padding masked; positions past the current one
