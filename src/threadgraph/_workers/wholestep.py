@@ -87,7 +87,13 @@ class StepGraph:
         return self.graph is not None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        """Run one step: a warmup call, the capture, or a replay with ``inputs`` copied in."""
+        """Run one step: a warmup call, the capture, or a replay with ``inputs`` copied in.
+
+        Raises:
+            CaptureError: The step cannot be captured (no GPU, CPU inputs, a failed capture) and
+                ``fallback`` is ``"raise"``, or the inputs do not fit the capture (not tensors,
+                on several devices, another count, shape or dtype than captured).
+        """
         self.calls += 1
         if self.uncaptured_reason is not None:
             return self.fn(*inputs)
@@ -203,8 +209,5 @@ def capture_step(fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str
 
     Raises:
         UsageError: ``fallback`` or ``warmup_steps`` is not one the function takes (also a ValueError).
-
-    Calling the returned step raises :class:`CaptureError` where it cannot be captured (with
-    ``fallback="raise"``) or its inputs do not fit the capture.
     """
     return StepGraph(fn, warmup_steps=warmup_steps, fallback=fallback)
