@@ -83,8 +83,8 @@ class Worker(threadgraph.CompiledWorkerThread):
 
 def check_worker(net: torch.nn.Module, x: torch.Tensor, expected: torch.Tensor) -> None:
     worker = Worker(net, x)
-    with threadgraph.WorkerGroup([worker]):
-        pass  # the group joins its workers on exit and re-raises the first failure
+    with threadgraph.WorkerGroup([worker]) as group:
+        group.join()  # waits for the steps and re-raises the first failure; leaving the block stops the group
     if worker.stats.steps != STEPS or not torch.allclose(worker.out, expected, atol=1e-5):
         raise AssertionError(f"the worker ran {worker.stats.steps} of {STEPS} steps; output matches eager: "
                              f"{worker.out is not None and torch.allclose(worker.out, expected, atol=1e-5)}")

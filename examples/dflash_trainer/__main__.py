@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         config = TrainConfig(**apply_preset(args, preset, explicit))
-        check_settings()  # threadgraph's environment variables (THREADGRAPH_GATE_TIMEOUT)
+        check_settings()  # threadgraph's environment variables (THREADGRAPH_GATE_TIMEOUT, _STRICT, _EXCLUDE_PATCHES)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -9,7 +9,8 @@ Public API (everything else is private and may change):
 - ``patches()``: which patches exist, what they fix, which are active.
 - ``CompiledWorkerThread`` / ``WorkerGroup``: a worker lifecycle with fail-fast groups;
   ``WorkerGroup.queue()`` wakes its blocked workers (``GroupStopped``) when the group fails.
-- ``check_settings()``: raise ``SettingError`` for a bad ``THREADGRAPH_*`` environment value.
+- ``check_settings()``: raise ``SettingError`` for a bad value of a ``THREADGRAPH_*`` variable the
+  library reads.
 - ``released()``: give up the device gate's slots around a blocking wait.
 - ``outside_captures()``: run a block of eager CUDA work the fence does not see outside captures.
 - ``capture_step()``: a whole training step replayed as one CUDA graph.
@@ -19,16 +20,15 @@ Public API (everything else is private and may change):
 
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
 
-from threadgraph._errors import (CaptureConflictError, GateTimeout, SettingError, ThreadgraphError, ThreadgraphWarning,
-                      UnsupportedTorchError, WorkerError)
 from threadgraph._device.fence import outside_captures
-from threadgraph._device.gate import check_settings, released
-from threadgraph._patches import install, installed, patched, patches, uninstall
-from threadgraph._workers.stats import StepStats, StepTimer
+from threadgraph._device.gate import released
 from threadgraph._device.tls import ensure_cudagraph_tls, release_cudagraph_tls
-from threadgraph._workers.wholestep import CaptureError, StepGraph, capture_step
-from threadgraph._errors import GroupStopped
+from threadgraph._errors import (CaptureConflictError, GateTimeout, GroupStopped, JoinTimeout, SettingError,
+                                 ThreadgraphError, ThreadgraphWarning, UnsupportedTorchError, UsageError, WorkerError)
+from threadgraph._patches import check_settings, install, installed, patched, patches, uninstall
 from threadgraph._workers.group import WorkerGroup
+from threadgraph._workers.stats import StepStats, StepTimer
+from threadgraph._workers.wholestep import CaptureError, StepGraph, capture_step
 from threadgraph._workers.worker import CompiledWorkerThread
 
 try:
@@ -45,11 +45,13 @@ __all__ = [
     "capture_step",
     "CompiledWorkerThread",
     "GateTimeout",
+    "JoinTimeout",
     "StepStats",
     "StepTimer",
     "ThreadgraphError",
     "ThreadgraphWarning",
     "UnsupportedTorchError",
+    "UsageError",
     "WorkerError",
     "WorkerGroup",
     "GroupStopped",

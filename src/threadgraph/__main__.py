@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from threadgraph._diagnostics.doctor import format_report, report
 from threadgraph import __version__
+from threadgraph._diagnostics.doctor import format_report, report
 from threadgraph._errors import SettingError
-from threadgraph._device.gate import check_settings
+from threadgraph._patches import check_settings
 
 
 def main(argv: list[str] | None = None) -> int:

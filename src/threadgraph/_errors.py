@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger("threadgraph")
 
 
 def _rebuild(cls: type, args: tuple) -> BaseException:
@@ -21,6 +24,27 @@ class ThreadgraphError(RuntimeError):
 
 class SettingError(ThreadgraphError, ValueError):
     """An environment variable threadgraph reads holds a bad value; the message names it and the fix."""
+
+
+class UsageError(ThreadgraphError, ValueError):
+    """A call threadgraph cannot serve as made: a bad argument (a device, a step count, a patch
+    name) or a worker or group used out of order (added after its group started, a group started
+    twice or joined before it started). Also a ``ValueError``, and, as every ThreadgraphError, a
+    ``RuntimeError``; an argument of the wrong type is also a ``TypeError``. The message says what
+    to do."""
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """A UsageError for an argument of the wrong type (also a ``TypeError``)."""
+
+
+class JoinTimeout(ThreadgraphError, TimeoutError):
+    """``join(timeout)`` of a worker or a group ran out with a worker still running; the message
+    names it and what it is doing. The worker is left running: ``stop()`` asks it to end."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # TimeoutError's instances are laid out as OSError's, which only its own __new__ makes
+        return type(self), self.args, self.__dict__
 
 
 class UnsupportedTorchError(ThreadgraphError):
@@ -83,3 +107,11 @@ class CaptureConflictError(ThreadgraphError):
 class GroupStopped(ThreadgraphError):
     """Raised in a worker blocked on its group's ``queue()`` when the group stops or fails; the
     worker then ends quietly (it is stopping), and ``join()`` raises the first failure, if any."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error`` (Python 3.11+); on 3.10, which has no notes, log it."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        log.error("threadgraph: %s", note)

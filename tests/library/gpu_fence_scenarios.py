@@ -258,8 +258,8 @@ def matrix(args) -> dict:
     thread.start()
     group_error = None
     try:
-        with threadgraph.WorkerGroup(workers):
-            pass
+        with threadgraph.WorkerGroup(workers) as group:
+            group.join()
     except BaseException as exc:
         group_error = _first_line(exc.__cause__ or exc)  # the worker's own error, not WorkerError's wrapper
     done.set()

@@ -149,6 +149,8 @@ ERRORS = [
     (threadgraph.WorkerError, {"thread_name": "w0", "device": "cuda:1"}),
     (threadgraph.GateTimeout, {"thread_name": "w1", "device": "cuda:0"}),
     (threadgraph.CaptureConflictError, {"device": "cuda:0", "capturing_thread": "w2", "op": "torch.rand"}),
+    (threadgraph.UsageError, {}),
+    (threadgraph.JoinTimeout, {}),
 ]
 
 
@@ -204,10 +206,35 @@ def test_c_a_bad_gate_timeout_stops_install_and_workers_and_the_cli_says_it_in_o
 
 def test_c_a_bad_excluded_name_says_it_came_from_the_environment(clean_patches, monkeypatch):
     monkeypatch.setenv("THREADGRAPH_EXCLUDE_PATCHES", "worker_mark_step, nope")
-    with pytest.raises(ValueError, match=r"no patch named \['nope'\] in the environment variable "
-                                         r"THREADGRAPH_EXCLUDE_PATCHES='worker_mark_step, nope'"):
+    with pytest.raises(threadgraph.SettingError, match=r"no patch named \['nope'\] in the environment variable "
+                                                       r"THREADGRAPH_EXCLUDE_PATCHES='worker_mark_step, nope'"):
         threadgraph.install()
     assert not threadgraph.installed()
+
+
+BAD_SETTINGS = [("THREADGRAPH_GATE_TIMEOUT", "10s", "is not a timeout"),
+                ("THREADGRAPH_STRICT", "yes", "is not 0 or 1"),
+                ("THREADGRAPH_EXCLUDE_PATCHES", "bogus", r"no patch named \['bogus'\] in the environment variable")]
+
+
+def test_c_every_variable_threadgraph_reads_is_in_the_settings_check():
+    read = set()
+    for path in (ROOT / "src" / "threadgraph").rglob("*.py"):
+        read |= set(re.findall(r"THREADGRAPH_[A-Z_]+", path.read_text(encoding="utf-8")))
+    assert read == {variable for variable, _, _ in BAD_SETTINGS}
+
+
+@pytest.mark.parametrize("variable, value, says", BAD_SETTINGS, ids=[v for v, _, _ in BAD_SETTINGS])
+def test_c_check_settings_and_doctor_refuse_a_bad_value_of_every_variable(variable, value, says):
+    env = {variable: value, "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    script = "import threadgraph\ntry:\n    threadgraph.check_settings()\nexcept threadgraph.SettingError as err:\n    print(err)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.match(rf"threadgraph: .*{variable}.*", proc.stdout) and re.search(says, proc.stdout), proc.stdout
+    doctor = subprocess.run([sys.executable, "-m", "threadgraph", "doctor"], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=ROOT)
+    assert doctor.returncode == 2 and doctor.stdout == "", (doctor.returncode, doctor.stdout[-500:])
+    assert re.fullmatch(rf"error: threadgraph: .*{variable}=.*\n", doctor.stderr) and re.search(says, doctor.stderr)
 
 
 # -- D: whole-step capture without a GPU -------------------------------------------------------
@@ -218,6 +245,35 @@ def test_d_capture_step_without_inputs_or_gpu_says_it_needs_a_gpu(monkeypatch):
     step = threadgraph.capture_step(lambda: None)
     with pytest.raises(threadgraph.CaptureError, match="capture_step needs a CUDA GPU.*sees none"):
         step()
+
+
+def test_d_capture_step_with_cpu_inputs_and_no_gpu_says_there_is_no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    step = threadgraph.capture_step(lambda x: x + 1)
+    with pytest.raises(threadgraph.CaptureError, match=r"(?s)capture_step needs a CUDA GPU.*sees none.*"
+                                                       r"pass fallback='uncaptured'") as info:
+        step(torch.ones(2))
+    assert ".to(device)" not in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), None])
+def test_d_a_step_timer_takes_a_device_as_a_worker_does(monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # None: the CPU, as for a worker
+    timer = threadgraph.StepTimer(device)
+    timer.start()
+    timer.stop()
+    assert not timer.cuda and len(timer.finish()) == 1
+
+
+@pytest.mark.parametrize("device, error, says", [
+    ("meta", threadgraph.UsageError, "device type 'meta' is not supported; use 'cpu' or 'cuda:N'"),
+    ("gibberish", threadgraph.UsageError, "bad device 'gibberish'"),
+])
+def test_d_a_step_timer_refuses_a_bad_device_as_a_worker_does(device, error, says):
+    with pytest.raises(error, match=re.escape(says)):
+        threadgraph.StepTimer(device)
+    with pytest.raises(error, match=re.escape(says)):
+        threadgraph.CompiledWorkerThread(device)
 
 
 # -- E: patch names ----------------------------------------------------------------------------
@@ -236,6 +292,7 @@ def test_e_one_patch_name_is_one_name(clean_patches):
     (threadgraph.uninstall, [1], "uninstall"),
 ])
 def test_e_names_that_are_not_strings_are_a_type_error(clean_patches, call, names, argument):
-    with pytest.raises(TypeError, match=rf"threadgraph: {argument} takes (a patch name or a list of them|patch names)"):
+    with pytest.raises(threadgraph.UsageError, match=rf"threadgraph: {argument} takes (a patch name or a list of them|patch names)") as info:
         call(names)
+    assert isinstance(info.value, TypeError)
     assert not threadgraph.installed()

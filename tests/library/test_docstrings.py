@@ -78,3 +78,40 @@ def test_the_attribute_check_reads_init_and_the_attributes_section():
 
     assert _instance_attributes(Example) == {"shown", "hidden"}
     assert _documented_attributes(Example) == {"shown"}
+
+
+def _raised(doc: str) -> list[str]:
+    """The exception names a docstring's ``Raises:`` section lists."""
+    section = re.search(r"^Raises:\n((?:(?:    .*)?\n?)*)", inspect.cleandoc(doc or ""), re.M)
+    return re.findall(r"^    (\w+):", section.group(1), re.M) if section else []
+
+
+def _public_docstrings():
+    for name in threadgraph.__all__:
+        obj = getattr(threadgraph, name)
+        yield name, obj.__doc__
+        if inspect.isclass(obj):
+            for member_name, member in vars(obj).items():
+                if callable(member) and (not member_name.startswith("_") or member_name == "__init__"):
+                    yield f"{name}.{member_name}", member.__doc__
+
+
+def test_every_raises_section_lists_threadgraph_errors_only():
+    # "Every error threadgraph raises is a ThreadgraphError" (usage.md): what a Raises: section
+    # lists is one, by a name the package exports.
+    listed = {(where, error) for where, doc in _public_docstrings() for error in _raised(doc)}
+    assert len(listed) > 10
+    wrong = sorted((where, error) for where, error in listed
+                   if not (error in threadgraph.__all__ and issubclass(getattr(threadgraph, error), threadgraph.ThreadgraphError)))
+    assert wrong == []
+
+
+def test_the_raises_check_reads_the_section():
+    doc = """Do it.
+
+    Raises:
+        ValueError: A bad value.
+            More about it.
+        threadgraph_error: Not a name it takes apart.
+    """
+    assert _raised(doc) == ["ValueError", "threadgraph_error"]

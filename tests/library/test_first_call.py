@@ -59,8 +59,8 @@ def _run_group(backend):
     _first_call.forget()
     counters.clear()
     workers = [Trainer(i, backend) for i in range(WORKERS)]
-    with WorkerGroup(workers):  # steps begin together, after every setup: concurrent first calls
-        pass
+    with WorkerGroup(workers) as group:  # steps begin together, after every setup: concurrent first calls
+        group.join()
     return workers, counters["frames"]["total"]
 
 

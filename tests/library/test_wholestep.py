@@ -19,14 +19,29 @@ def test_inputs_must_be_tensors():
         step(3)
 
 
-def test_cpu_inputs_are_rejected_with_a_fix():
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """A machine that has a GPU (for the checks made before anything runs on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_cpu_inputs_are_rejected_with_a_fix(a_gpu):
     step = capture_step(lambda x: x)
     with pytest.raises(CaptureError, match=r"(?s)on a CUDA device; got cpu\. Move them with \.to\(device\).*"
                                            r"pass fallback='uncaptured'"):
         step(torch.ones(2))
 
 
-def test_fallback_uncaptured_runs_cpu_inputs_uncaptured_and_says_so_once(caplog):
+def test_without_a_gpu_cpu_inputs_are_told_there_is_no_gpu_not_to_move_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    step = capture_step(lambda x: x)
+    with pytest.raises(CaptureError, match=r"(?s)capture_step needs a CUDA GPU.*sees none.*Run it on a GPU machine.*"
+                                           r"pass fallback='uncaptured' to run it uncaptured instead") as info:
+        step(torch.ones(2))
+    assert ".to(device)" not in str(info.value)
+
+
+def test_fallback_uncaptured_runs_cpu_inputs_uncaptured_and_says_so_once(a_gpu, caplog):
     step = capture_step(lambda x: x * 2, fallback="uncaptured")
     with caplog.at_level(logging.WARNING, logger="threadgraph"), \
             pytest.warns(threadgraph.ThreadgraphWarning, match="inputs must be on a CUDA device; got cpu"):
@@ -47,7 +62,7 @@ def test_fallback_uncaptured_runs_without_a_gpu(monkeypatch):
     assert "needs a CUDA GPU" in step.uncaptured_reason
 
 
-def test_inputs_on_several_devices_are_an_error_even_with_the_fallback():
+def test_inputs_on_several_devices_are_an_error_even_with_the_fallback(a_gpu):
     step = capture_step(lambda x, y: x, fallback="uncaptured")
     with pytest.raises(CaptureError, match=r"all be on one CUDA device; got \['cpu', 'meta'\]"):
         step(torch.ones(2), torch.ones(2, device="meta"))
@@ -55,7 +70,7 @@ def test_inputs_on_several_devices_are_an_error_even_with_the_fallback():
 
 @pytest.mark.parametrize("kwargs, match", [({"fallback": "maybe"}, "fallback must be"), ({"warmup_steps": 0}, "warmup_steps >= 1")])
 def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(threadgraph.UsageError, match=match):
         capture_step(lambda: None, **kwargs)
 
 
@@ -139,13 +154,13 @@ def test_replay_rejects_a_new_shape():
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach_copy", "per_tensor"])
 def test_input_copies_land_in_every_static_buffer(monkeypatch, foreach):
-    from threadgraph import _compat
+    from threadgraph import _torch_calls
 
     if not foreach:
         monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
     statics = (torch.zeros(3), torch.zeros(2, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool))
     sources = (torch.arange(3.0), torch.arange(4).reshape(2, 2), torch.tensor([True, False, True, True]))
-    _compat.copy_all_(statics, sources)
+    _torch_calls.copy_all_(statics, sources)
     for static, source in zip(statics, sources):
         assert torch.equal(static, source)
-    _compat.copy_all_((), ())  # a step without inputs
+    _torch_calls.copy_all_((), ())  # a step without inputs

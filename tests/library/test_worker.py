@@ -237,8 +237,8 @@ def test_each_worker_has_its_own_generation_state():
             seen.setdefault(self.name, []).append(threadgraph._device.tls.current_worker())
 
     workers = [Marker(name=f"m{i}", max_steps=3) for i in range(2)]
-    with WorkerGroup(workers):
-        pass
+    with WorkerGroup(workers) as group:
+        group.join()  # the workers end by themselves (max_steps); leaving the block would stop them
     states = {name: {id(s) for s in v} for name, v in seen.items()}
     assert all(len(s) == 1 for s in states.values()) and states["m0"] != states["m1"]
     assert workers[0].worker_state.mark_step_counter == -3  # base class begins a step each time
@@ -285,8 +285,8 @@ def test_no_worker_steps_while_another_sets_up(serial_setup):
     in_setup, peer_seen = threading.Event(), threading.Event()
     loader = Loader(in_setup, peer_seen, name="loader", max_steps=1)
     observer = Observer(in_setup, peer_seen, name="observer")
-    with WorkerGroup([loader, observer], serial_setup=serial_setup):
-        pass
+    with WorkerGroup([loader, observer], serial_setup=serial_setup) as group:
+        group.join()
     assert observer.dtypes["step"] == torch.float32
     if serial_setup:  # the observer's setup waited for the loader's turn to end
         assert not loader.peer_overlapped

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from threadgraph import CompiledWorkerThread, GroupStopped, WorkerError, WorkerGroup
+from threadgraph import CompiledWorkerThread, GroupStopped, JoinTimeout, UsageError, WorkerError, WorkerGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -267,3 +267,71 @@ def test_a_second_ctrl_c_leaves_a_wait_for_a_worker_blocked_in_step_and_exit_doe
     assert "stopped waiting; blocked left running" in out, out
     assert "join raised KeyboardInterrupt" in out, out
     assert "interpreter is exiting" not in out + proc.stderr, out  # the exit hook does not wait for it again
+
+
+@pytest.mark.timeout(120)
+def test_a_with_block_stops_workers_without_max_steps_on_exit():
+    stepping = threading.Event()
+    workers = [Stepper(f"endless-{i}", lambda w: (stepping.set(), w.model(torch.ones(2, 4)))) for i in range(2)]
+    left = threading.Event()
+
+    def block():
+        with WorkerGroup(workers):
+            assert stepping.wait(60), "no worker stepped"
+        left.set()
+
+    body = threading.Thread(target=block, name="with-block", daemon=True)
+    body.start()
+    try:
+        assert left.wait(60), "leaving the with-block did not stop its workers"
+        assert all(not w.is_alive() and w.torn_down and w.exception is None for w in workers)
+    finally:
+        for worker in workers:  # on failure: let the block end
+            worker.stop()
+        body.join(60)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_with_block_stops_every_worker_and_propagates():
+    stepping = threading.Event()
+    workers = [Stepper(f"w{i}", lambda w: (stepping.set(), w.model(torch.ones(2, 4)))) for i in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        with WorkerGroup(workers):
+            assert stepping.wait(60), "no worker stepped"
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, delivered to this (the main) thread
+    assert all(not w.is_alive() for w in workers)
+    assert all(w.torn_down for w in workers if w.stats.steps)
+
+
+@pytest.mark.timeout(120)
+def test_misusing_a_group_raises_threadgraph_errors_that_are_also_the_builtin_ones():
+    started = Stepper("started", max_steps=1)
+    started.start()
+    started.join(30)
+    with pytest.raises(UsageError, match="worker started was already started; add workers before start") as info:
+        WorkerGroup([started])
+    assert isinstance(info.value, ValueError)
+    worker = Stepper("twice")
+    group = WorkerGroup([worker])
+    with pytest.raises(UsageError, match="worker twice is in the group already"):
+        group.add(worker)
+    with pytest.raises(UsageError, match=r"join\(\) of a group that was never started; call start\(\) first") as info:
+        group.join()
+    assert isinstance(info.value, RuntimeError)
+    entered, release = threading.Event(), threading.Event()
+    worker.body = lambda w: (entered.set(), release.wait(60))
+    group.start()
+    try:
+        with pytest.raises(UsageError, match="the group was started already; a group runs once"):
+            group.start()
+        with pytest.raises(UsageError, match="the group already started; add worker late before start"):
+            group.add(Stepper("late"))
+        assert entered.wait(60), "the worker never stepped"
+        for joiner in (worker, group):
+            with pytest.raises(JoinTimeout, match=r"worker twice \(warmup steps for \d+ s\) still running after 0\.1 s") as info:
+                joiner.join(timeout=0.1)
+            assert isinstance(info.value, TimeoutError)
+    finally:
+        group.stop()
+        release.set()
+        group.join(60)

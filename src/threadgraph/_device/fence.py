@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from threadgraph import _compat
+from threadgraph import _torch_calls
 from threadgraph._errors import CaptureConflictError
 from threadgraph._device.gate import fenced, gate_for
 from threadgraph._device.tls import current_worker
@@ -111,7 +111,7 @@ def op_device(args: tuple, kwargs: dict) -> Optional[int]:
     for value in kwargs.values():
         if isinstance(value, torch.Tensor):
             return _tensor_index(value)
-    return _device_index(_compat.default_device())
+    return _device_index(_torch_calls.default_device())
 
 
 def _fence_on(index: Optional[int]) -> contextlib.AbstractContextManager:
@@ -130,7 +130,7 @@ def fenced_function(original: Callable, where: Callable[[tuple, dict], Optional[
     if key not in _wrappers:
         _wrapped_originals.append(original)
         _wrappers[key] = _make_fenced(original, where)
-        _compat.alias_torchscript_builtin(original, _wrappers[key])
+        _torch_calls.alias_torchscript_builtin(original, _wrappers[key])
     return _wrappers[key]
 
 
@@ -139,8 +139,8 @@ def _make_fenced(original: Callable, where: Callable[[tuple, dict], Optional[int
     # another thread's capture there would stall the compile, and a capturing thread that waits
     # for that compile's trace (fx_trace_window) would wait for a thread that waits for it. A
     # device synchronize is real under any mode.
-    faking = _compat.in_fake_mode if where is op_device else (lambda: False)
-    is_tracing, fence = _compat.is_dynamo_compiling, fenced  # closure cells, not globals: see below
+    faking = _torch_calls.in_fake_mode if where is op_device else (lambda: False)
+    is_tracing, fence = _torch_calls.is_dynamo_compiling, fenced  # closure cells, not globals: see below
 
     def fenced_call(*args: Any, **kwargs: Any) -> Any:
         # Dynamo folds is_tracing() to True and traces the original, unchanged.
@@ -235,7 +235,7 @@ def aten_rng_targets() -> list[str]:
 def rng_function_targets() -> list[str]:
     targets = []
     for module_path, names in RNG_FUNCTIONS.items():
-        module = _compat.import_module(module_path)
+        module = _torch_calls.import_module(module_path)
         targets += [f"{module_path}:{name}" for name in names if callable(getattr(module, name, None))]
     targets += [f"torch:Tensor.{name}" for name in RNG_TENSOR_METHODS if hasattr(torch.Tensor, name)]
     return targets
@@ -312,6 +312,18 @@ def _innermost_user_line(exc: BaseException) -> str:
 def explain_broken_capture(exc: BaseException, device: Any) -> Optional[CaptureConflictError]:
     """For a capture path: a clear error if another thread's work broke this capture, else None."""
     return explain_capture_conflict(exc, device) if _CAPTURE_BROKEN_SIGN in str(exc) else None
+
+
+def clear_capture_conflict(exc: BaseException, device: Any) -> BaseException:
+    """A worker's failure as it is reported: the CUDA error of a capture conflict, explained (the
+    original as cause); anything else, or anything on the CPU, as it is."""
+    if torch.device(device).type != "cuda":
+        return exc
+    clear = explain_capture_conflict(exc, device)
+    if clear is None:
+        return exc
+    clear.__cause__ = exc
+    return clear
 
 
 def explain_capture_conflict(exc: BaseException, device: Any) -> Optional[CaptureConflictError]:

@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import Iterator
 
-from threadgraph._errors import GateTimeout, SettingError
+from threadgraph._errors import GateTimeout, SettingError, ThreadgraphError
 from threadgraph._per_thread import ThreadCount
 
 log = logging.getLogger("threadgraph")
@@ -78,20 +78,17 @@ try:
     _setting_problem = None
 except SettingError as _problem:
     # Importing still works, so a command line can say it in one line; every entry point that
-    # would wait (install(), a worker, a gate) raises it first (check_settings), so this default
+    # would wait (install(), a worker, a gate) raises it first (check_timeout_setting), so this default
     # never serves in its place.
     DEFAULT_TIMEOUT_S, _setting_problem = 600.0, _problem
 
 
-def check_settings() -> None:
-    """Check the environment variables threadgraph reads (``THREADGRAPH_GATE_TIMEOUT``).
+def check_timeout_setting() -> None:
+    """Raise the SettingError of a bad ``THREADGRAPH_GATE_TIMEOUT`` (read at import).
 
-    Importing threadgraph never fails on a bad value; :func:`install`, a worker's construction,
-    the first use of a device's gate and ``threadgraph doctor`` call this first, so nothing waits
-    with a default in place of the value asked for. Call it at a program's start to fail early.
-
-    Raises:
-        SettingError: A variable holds a bad value; the message names it and the fix.
+    Importing threadgraph never fails on a bad value; the first use of a device's gate checks it
+    first, and ``threadgraph.check_settings()`` (which :func:`install` calls) checks it with the
+    other variables, so nothing waits with a default in place of the value asked for.
     """
     if _setting_problem is not None:
         raise SettingError(*_setting_problem.args)
@@ -126,7 +123,7 @@ class DeviceGate:
         with self._cond:
             depth = self._shared.get(me, 0)
             if depth <= 0:
-                raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases a shared slot of {self.device} it does not hold")
+                raise ThreadgraphError(f"threadgraph: thread {threading.current_thread().name} releases a shared slot of {self.device} it does not hold")
             if depth == 1:
                 del self._shared[me]
                 self._cond.notify_all()
@@ -191,7 +188,7 @@ class DeviceGate:
         me = threading.get_ident()
         with self._cond:
             if self._owner != me:
-                raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases {self.device} exclusively without owning it")
+                raise ThreadgraphError(f"threadgraph: thread {threading.current_thread().name} releases {self.device} exclusively without owning it")
             self._owner_depth -= 1
             _exclusive_depth.value -= 1
             if self._owner_depth == 0:
@@ -261,7 +258,7 @@ def gate_for(device: str) -> DeviceGate:
     gate = _gates.get(device)  # a dict read is atomic; creation takes the lock
     if gate is not None:
         return gate
-    check_settings()  # before the first gate of a device, which waits with the timeout
+    check_timeout_setting()  # before the first gate of a device, which waits with the timeout
     with _gates_lock:
         gate = _gates.get(device)
         if gate is None:

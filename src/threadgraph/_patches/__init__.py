@@ -20,31 +20,21 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from threadgraph import _compat, _torch_calls
+from threadgraph._device import fence as _fence
+from threadgraph._device import tls as _tls
+from threadgraph._device.gate import check_timeout_setting
+from threadgraph._errors import SettingError, ThreadgraphWarning, UsageError
 from threadgraph._patches import backend_settings as _backend_settings
 from threadgraph._patches import capture_guard as _capture_guard
 from threadgraph._patches import capture_lock as _capture_lock
-
-from threadgraph import _compat
-
 from threadgraph._patches import compile_flag as _compile_flag
-
-from threadgraph._device import fence as _fence
-
 from threadgraph._patches import first_call as _first_call
-
 from threadgraph._patches import fx_flag as _fx_flag
-
 from threadgraph._patches import fx_window as _fx_window
-
 from threadgraph._patches import gate_wrappers as _gate_wrappers
-
 from threadgraph._patches import generation as _generation
-
 from threadgraph._patches import verify as _verify
-
-from threadgraph._device import tls as _tls
-from threadgraph._errors import ThreadgraphWarning
-from threadgraph._device.gate import check_settings
 from threadgraph._patches.registry import Patch, Registry, patch_names
 
 log = logging.getLogger("threadgraph")
@@ -164,9 +154,29 @@ _EXCLUDE_ENV = "THREADGRAPH_EXCLUDE_PATCHES"
 
 def _excluded_by_env() -> frozenset:
     names = frozenset(name.strip() for name in os.environ.get(_EXCLUDE_ENV, "").split(",") if name.strip())
-    _registry.check_known(names, f" in the environment variable {_EXCLUDE_ENV}={os.environ.get(_EXCLUDE_ENV)!r} "
-                                 "(a comma list of patch names: fix or unset it)")
+    try:
+        _registry.check_known(names, f" in the environment variable {_EXCLUDE_ENV}={os.environ.get(_EXCLUDE_ENV)!r} "
+                                     "(a comma list of patch names: fix or unset it)")
+    except UsageError as exc:
+        raise SettingError(*exc.args) from None
     return names
+
+
+def check_settings() -> None:
+    """Check every environment variable threadgraph reads: ``THREADGRAPH_GATE_TIMEOUT``,
+    ``THREADGRAPH_STRICT`` and ``THREADGRAPH_EXCLUDE_PATCHES``.
+
+    Importing threadgraph never fails on a bad value; :func:`install` (so a worker's construction)
+    and ``threadgraph doctor`` call this first, and the first use of a device's gate checks the
+    timeout, so nothing runs with a default in place of the value asked for. Call it at a
+    program's start to fail early.
+
+    Raises:
+        SettingError: A variable holds a bad value; the message names it and the fix.
+    """
+    check_timeout_setting()
+    _verify.strict()
+    _excluded_by_env()
 
 
 def install(exclude: Iterable[str] = frozenset()) -> list[str]:
@@ -184,10 +194,11 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
         The names of the patches this call applied (empty when all were in place).
 
     Raises:
-        UnsupportedTorchError: This torch lacks a symbol a patch replaces; names every one.
-        ValueError: ``exclude`` or ``THREADGRAPH_EXCLUDE_PATCHES`` names no patch.
-        TypeError: ``exclude`` holds something other than names.
-        SettingError: ``THREADGRAPH_GATE_TIMEOUT`` holds a bad value.
+        UnsupportedTorchError: This torch lacks a symbol a patch replaces (names every one), or
+            ``THREADGRAPH_STRICT=1`` and this torch differs from the verified releases' records.
+        UsageError: ``exclude`` names no patch (also a ValueError), or holds something other
+            than names (also a TypeError).
+        SettingError: A ``THREADGRAPH_*`` variable holds a bad value (:func:`check_settings`).
     """
     check_settings()
     exclude = patch_names(exclude, "exclude") | _excluded_by_env()
@@ -195,7 +206,7 @@ def install(exclude: Iterable[str] = frozenset()) -> list[str]:
         _verify.check(PATCHES, exclude)  # before anything is patched; nothing to check when nothing is new
     applied = _registry.install(exclude, also_missing=_compat.missing_required())
     if FENCE_PATCHES & set(applied):
-        _compat.refresh_dynamo_rules()
+        _torch_calls.refresh_dynamo_rules()
     if "worker_cudagraphify" in applied and _trees_exist_in_this_thread():
         message = ("threadgraph: install() ran after this thread had already recorded CUDA graphs; graphs "
                    "compiled before install() stay bound to this thread's tree manager. Call install() "
@@ -237,14 +248,15 @@ def uninstall(names: Optional[Iterable[str]] = None) -> list[str]:
         The names of the patches removed.
 
     Raises:
-        ValueError: ``names`` names no patch.
+        UsageError: ``names`` names no patch (also a ValueError), or holds something other than
+            names (also a TypeError).
     """
     if names is not None:
         names = patch_names(names, "uninstall")
         _registry.check_known(names)
     removed = _registry.uninstall(names)
     if FENCE_PATCHES & set(removed):
-        _compat.refresh_dynamo_rules()
+        _torch_calls.refresh_dynamo_rules()
     return removed
 
 

@@ -16,7 +16,7 @@ import time
 from typing import Any, ContextManager
 
 from threadgraph import _compat
-from threadgraph._errors import GateTimeout
+from threadgraph._errors import GateTimeout, ThreadgraphError
 from threadgraph._device.gate import DEFAULT_TIMEOUT_S, released
 
 
@@ -68,7 +68,7 @@ class CaptureLock:
 
     def release(self) -> None:
         if self._owner != threading.get_ident():
-            raise RuntimeError(f"threadgraph: thread {threading.current_thread().name} releases torch's "
+            raise ThreadgraphError(f"threadgraph: thread {threading.current_thread().name} releases torch's "
                                "CUDA graph capture lock without holding it")
         self._depth -= 1
         if self._depth:

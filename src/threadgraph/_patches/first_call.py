@@ -49,7 +49,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from threadgraph import _compat
+from threadgraph import _compat, _torch_calls
 from threadgraph._patches.fx_window import tracing_here
 from threadgraph._device.gate import DEFAULT_TIMEOUT_S, released
 from threadgraph._device.tls import current_worker, doing
@@ -238,7 +238,7 @@ class _TurnHook:
             if self.settled():
                 _disarm(self)
             return _no_exit
-        if _compat.is_dynamo_compiling() or tracing_here():  # inside a trace a call takes no turn
+        if _torch_calls.is_dynamo_compiling() or tracing_here():  # inside a trace a call takes no turn
             return _no_exit
         end = _enter_turn(key, self.keys[key])
         if end is None:
@@ -336,7 +336,7 @@ class _Forgotten:
 
 def in_turn(compiled: Callable, key: Hashable, name: str) -> Callable:
     """``compiled`` wrapped so that its calls take ``key``'s turn until the key settles."""
-    is_tracing = _compat.is_dynamo_compiling
+    is_tracing = _torch_calls.is_dynamo_compiling
     settled_at = [-1]  # _Forgotten.count when this wrapper last found its key settled
 
     @functools.wraps(compiled)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import wrapt
 
 from threadgraph import _compat
+from threadgraph._errors import ArgumentTypeError, UsageError
 
 log = logging.getLogger("threadgraph")
 
@@ -89,10 +90,10 @@ def patch_names(names: Optional[Iterable[str]], argument: str) -> frozenset:
     try:
         names = frozenset(names)
     except TypeError:
-        raise TypeError(f"threadgraph: {argument} takes a patch name or a list of them, got {names!r}") from None
+        raise ArgumentTypeError(f"threadgraph: {argument} takes a patch name or a list of them, got {names!r}") from None
     wrong = sorted(repr(n) for n in names if not isinstance(n, str))
     if wrong:
-        raise TypeError(f"threadgraph: {argument} takes patch names (strings), got {', '.join(wrong)}")
+        raise ArgumentTypeError(f"threadgraph: {argument} takes patch names (strings), got {', '.join(wrong)}")
     return names
 
 
@@ -118,10 +119,10 @@ class Registry:
         self._lock = threading.RLock()
 
     def check_known(self, names: frozenset, source: str = "") -> None:
-        """Raise ValueError for names that are no patch's; ``source`` says where they came from."""
+        """Raise UsageError (a ValueError) for names that are no patch's; ``source`` says where they came from."""
         unknown = sorted(set(names) - set(self._patches))
         if unknown:
-            raise ValueError(f"threadgraph: no patch named {unknown}{source}; known: {sorted(self._patches)}")
+            raise UsageError(f"threadgraph: no patch named {unknown}{source}; known: {sorted(self._patches)}")
 
     def missing(self, exclude: Iterable[str] = ()) -> dict[str, list[str]]:
         """Symbol -> the patches that need it, for each target a patch ``install`` would apply lacks."""

@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from threadgraph._errors import GroupStopped, WorkerError
 from threadgraph._device.gate import released
 from threadgraph._device.tls import wait_for_thread_exit
-from threadgraph._workers.worker import CompiledWorkerThread, add_note, wait_stopped
+from threadgraph._errors import GroupStopped, JoinTimeout, ThreadgraphError, UsageError, WorkerError, add_note
+from threadgraph._workers.worker import CompiledWorkerThread, wait_stopped
 
 log = logging.getLogger("threadgraph")
 
@@ -85,8 +85,11 @@ class WorkerGroup:
 
     The first failure stops every other worker, closes the group's queues (``queue()``: workers
     blocked on them wake and end), runs the failure callbacks (wake waits of your own there) and
-    is re-raised from ``join()``. As a context manager it starts the workers on entry and stops
-    and joins them on exit; Ctrl-C stops everything, setups still waiting their turn included.
+    is re-raised from ``join()``. As a context manager it starts the workers on entry, and on exit
+    stops them (each finishes its current step) and joins them, re-raising the first failure: the
+    block is the workers' lifetime, so call ``group.join()`` in it to wait for workers that end by
+    themselves (``max_steps``). Ctrl-C, in the block or in a join, stops everything, setups still
+    waiting their turn included, waits for the workers and propagates.
 
     No worker of a started group steps before every worker's ``setup()`` has returned, and with
     ``serial_setup`` (the default) setups run one at a time. Setups load models, and loading
@@ -131,16 +134,16 @@ class WorkerGroup:
         """Add a worker that was not started yet, before the group starts; returns it.
 
         Raises:
-            RuntimeError: The group already started.
-            ValueError: The worker was started already, or is in this or another group already.
+            UsageError: The group already started, or the worker was started already or is in
+                this or another group already (a UsageError is also a ValueError and a RuntimeError).
         """
         if self._started:
-            raise RuntimeError(f"threadgraph: the group already started; add worker {worker.name} before start(), "
+            raise UsageError(f"threadgraph: the group already started; add worker {worker.name} before start(), "
                                f"or start it in a group of its own")
         if worker.is_alive() or worker.ident is not None:
-            raise ValueError(f"threadgraph: worker {worker.name} was already started; add workers before start()")
+            raise UsageError(f"threadgraph: worker {worker.name} was already started; add workers before start()")
         if worker in self.workers:
-            raise ValueError(f"threadgraph: worker {worker.name} is in the group already; a worker is one thread, "
+            raise UsageError(f"threadgraph: worker {worker.name} is in the group already; a worker is one thread, "
                              f"added once")
         worker.join_group(_Membership(self))
         self.workers.append(worker)
@@ -159,10 +162,10 @@ class WorkerGroup:
         """Start every worker; returns the group. A group starts once.
 
         Raises:
-            RuntimeError: The group was started already.
+            UsageError: The group was started already.
         """
         if self._started:
-            raise RuntimeError("threadgraph: the group was started already; a group runs once, make a new one "
+            raise UsageError("threadgraph: the group was started already; a group runs once, make a new one "
                                "(with new workers) to run again")
         self._started = True
         with self._setups_done:
@@ -198,11 +201,19 @@ class WorkerGroup:
             self._setups_done.notify_all()
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for all workers; raise the first failure (WorkerError). Ctrl-C stops all, then re-raises."""
+        """Wait for all workers; raise the first failure. Ctrl-C stops all, waits for them, then re-raises.
+
+        Raises:
+            WorkerError: A worker failed (the first failure; later ones are its notes).
+            JoinTimeout: A worker still runs after ``timeout`` seconds (also a TimeoutError); the
+                workers are left running (``stop()`` asks them to end).
+            UsageError: The group was never started.
+            ThreadgraphError: The group failed to start (its workers were stopped).
+        """
         if not self._started:
-            raise RuntimeError("threadgraph: join() of a group that was never started; call start() first")
+            raise UsageError("threadgraph: join() of a group that was never started; call start() first")
         if self._start_error is not None:
-            raise RuntimeError(f"threadgraph: the group failed to start ({self._start_error!r}); its workers "
+            raise ThreadgraphError(f"threadgraph: the group failed to start ({self._start_error!r}); its workers "
                                f"were stopped") from self._start_error
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -210,7 +221,10 @@ class WorkerGroup:
                 while worker.is_alive():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        raise TimeoutError(f"threadgraph: worker {worker.name} still running after {timeout} s")
+                        activity, seconds = worker.activity
+                        raise JoinTimeout(f"threadgraph: worker {worker.name} ({activity} for {seconds:.0f} s) still "
+                                          f"running after {timeout} s; "
+                                          "call stop() to ask the group to end, or join() again to keep waiting")
                     threading.Thread.join(worker, 0.2 if left is None else min(0.2, left))
                 wait_for_thread_exit(worker)
         except KeyboardInterrupt:
@@ -238,6 +252,7 @@ class WorkerGroup:
                 if worker.exception is not None and not named:  # the body's exception carries theirs
                     add_note(exc, f"worker {worker.name} also failed: {worker.exception!r}")
             return None
+        self.stop()
         self.join()
 
     def _worker_failed(self, worker: CompiledWorkerThread, error: BaseException) -> None:

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from threadgraph._device.resolve import DeviceLike, resolve_device
+
 
 @dataclasses.dataclass
 class StepStats:
@@ -76,16 +78,22 @@ class StepTimer:
     host wait for the GPU inside the loop; ``finish()`` synchronises the rest once.
 
     Args:
-        device: The device the steps run on (a ``torch.device``); CUDA devices are timed with events.
+        device: The device the steps run on, as a worker takes it (``"cpu"``, ``"cuda:1"``, a
+            ``torch.device``, an index; None means cuda:0, or the CPU where there is no CUDA);
+            CUDA devices are timed with events.
         keep: How many step times to keep (the oldest are dropped).
+
+    Raises:
+        UsageError: A bad ``device`` (as for a worker).
+        ThreadgraphError: A CUDA device where torch sees no GPU.
 
     Attributes:
         cuda: Whether steps are timed with CUDA events.
         times: The step times resolved so far, in ms.
     """
 
-    def __init__(self, device: torch.device, keep: int = 100_000) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: DeviceLike = None, keep: int = 100_000) -> None:
+        self.cuda = resolve_device(device).type == "cuda"
         self.times: collections.deque = collections.deque(maxlen=keep)
         self._pending: collections.deque = collections.deque()
         self._start = None

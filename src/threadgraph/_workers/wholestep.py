@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from threadgraph._compat import copy_all_
-from threadgraph._errors import ThreadgraphError, ThreadgraphWarning
+from threadgraph._torch_calls import copy_all_
+from threadgraph._errors import ThreadgraphError, ThreadgraphWarning, UsageError
 from threadgraph._patches.fx_window import windows_held_off
 from threadgraph._device.gate import gate_for
 
@@ -66,9 +66,9 @@ class StepGraph:
 
     def __init__(self, fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str = "raise") -> None:
         if fallback not in FALLBACKS:
-            raise ValueError(f"threadgraph: fallback must be one of {FALLBACKS}, got {fallback!r}")
+            raise UsageError(f"threadgraph: fallback must be one of {FALLBACKS}, got {fallback!r}")
         if warmup_steps < 1:
-            raise ValueError("threadgraph: capture_step needs warmup_steps >= 1 (optimizer state and "
+            raise UsageError("threadgraph: capture_step needs warmup_steps >= 1 (optimizer state and "
                              "compiled kernels must exist before capture)")
         self.fn = fn
         self.warmup_steps = warmup_steps
@@ -87,7 +87,13 @@ class StepGraph:
         return self.graph is not None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        """Run one step: a warmup call, the capture, or a replay with ``inputs`` copied in."""
+        """Run one step: a warmup call, the capture, or a replay with ``inputs`` copied in.
+
+        Raises:
+            CaptureError: The step cannot be captured (no GPU, CPU inputs, a failed capture) and
+                ``fallback`` is ``"raise"``, or the inputs do not fit the capture (not tensors,
+                on several devices, another count, shape or dtype than captured).
+        """
         self.calls += 1
         if self.uncaptured_reason is not None:
             return self.fn(*inputs)
@@ -110,18 +116,18 @@ class StepGraph:
         if bad:
             raise CaptureError(f"threadgraph: capture_step inputs must be tensors (copied into static buffers); got {bad}. "
                                "Close over other values in the step function instead")
+        if not torch.cuda.is_available():  # before the inputs' devices: without a GPU, moving them cannot help
+            self._not_capturable(
+                f"threadgraph: capture_step needs a CUDA GPU (a whole step is captured as a CUDA graph), but torch "
+                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda}). Run it on a GPU machine"
+            )
+            return
         if len(devices) > 1:
             raise CaptureError(f"threadgraph: capture_step inputs must all be on one CUDA device; got {sorted(map(str, devices))}. "
                                "Move them with .to(device) first")
         if any(d.type != "cuda" for d in devices):
             self._not_capturable(f"threadgraph: capture_step inputs must be on a CUDA device; got {devices.pop()}. "
                                  "Move them with .to(device) first (CPU tensors cannot be captured)")
-            return
-        if not devices and not torch.cuda.is_available():
-            self._not_capturable(
-                f"threadgraph: capture_step needs a CUDA GPU (a whole step is captured as a CUDA graph), but torch "
-                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda}). Run it on a GPU machine"
-            )
             return
         device = devices.pop() if devices else torch.device("cuda", torch.cuda.current_device())
         if self._device is None:
@@ -202,6 +208,6 @@ def capture_step(fn: Callable[..., Any], *, warmup_steps: int = 3, fallback: str
         The :class:`StepGraph` to call instead of ``fn``.
 
     Raises:
-        ValueError: ``fallback`` or ``warmup_steps`` is not one the function takes.
+        UsageError: ``fallback`` or ``warmup_steps`` is not one the function takes (also a ValueError).
     """
     return StepGraph(fn, warmup_steps=warmup_steps, fallback=fallback)

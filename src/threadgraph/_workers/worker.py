@@ -8,17 +8,20 @@ import logging
 import threading
 import time
 import weakref
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol
 
 import torch
 
-from threadgraph._errors import GroupStopped, ThreadgraphError, WorkerError
-from threadgraph._device.fence import explain_capture_conflict
+from threadgraph._device.fence import clear_capture_conflict
 from threadgraph._device.gate import gate_for
+from threadgraph._device.resolve import DeviceLike, resolve_device
+from threadgraph._device.tls import (WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls,
+                                     wait_for_thread_exit)
+from threadgraph._errors import GroupStopped, JoinTimeout, UsageError, WorkerError, add_note
 from threadgraph._patches import install
 from threadgraph._workers.stats import StepStats, StepTimer
-from threadgraph._device.tls import WorkerState, bind_worker, doing, ensure_cudagraph_tls, release_cudagraph_tls, wait_for_thread_exit
 
+log = logging.getLogger("threadgraph")
 
 
 class Membership(Protocol):
@@ -40,12 +43,9 @@ class Membership(Protocol):
     def failed(self, worker: "CompiledWorkerThread", error: BaseException) -> None:
         """The worker failed: the first failure stops the group and runs its failure callbacks."""
 
-log = logging.getLogger("threadgraph")
 
 EXIT_WAIT_S = 30.0  # how long interpreter exit waits for workers still running, all together
 _running: "weakref.WeakSet[CompiledWorkerThread]" = weakref.WeakSet()
-
-
 NOTICE_EVERY_S = 10.0  # how often a wait after an interrupt or failure says what it still waits for
 
 
@@ -102,35 +102,6 @@ def _stop_at_exit() -> None:
 # daemon threads; atexit would run after.
 getattr(threading, "_register_atexit", atexit.register)(_stop_at_exit)
 
-DeviceLike = Union[str, int, torch.device, None]
-
-
-def resolve_device(device: DeviceLike) -> torch.device:
-    """A validated torch.device; CUDA devices must exist. ``None`` means cuda:0, or cpu without CUDA."""
-    if device is None:
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"threadgraph: bad device {device!r}: {exc}; use 'cpu', 'cuda' or 'cuda:N'") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ThreadgraphError(
-                f"threadgraph: device {device!r} asks for CUDA, but this torch sees no GPU "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use device='cpu' or run on a GPU machine"
-            )
-        index = 0 if resolved.index is None else resolved.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"threadgraph: device {device!r} does not exist; this machine has "
-                f"{torch.cuda.device_count()} GPU(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
-            )
-        resolved = torch.device("cuda", index)
-    elif resolved.type != "cpu":
-        raise ValueError(f"threadgraph: device type {resolved.type!r} is not supported; use 'cpu' or 'cuda:N'")
-    return resolved
-
-
 class CompiledWorkerThread(threading.Thread):
     """A thread that owns one compiled model on one device.
 
@@ -151,8 +122,10 @@ class CompiledWorkerThread(threading.Thread):
         daemon: Whether the thread is a daemon thread.
 
     Raises:
-        ValueError: A bad ``device``, ``warmup_steps`` or ``max_steps``.
-        SettingError: ``THREADGRAPH_GATE_TIMEOUT`` holds a bad value.
+        UsageError: A bad ``device``, ``warmup_steps`` or ``max_steps`` (also a ValueError).
+        ThreadgraphError: A CUDA device where torch sees no GPU.
+        SettingError: A ``THREADGRAPH_*`` variable holds a bad value (:func:`install` runs here).
+        UnsupportedTorchError: What :func:`install` raises for this torch.
 
     Attributes:
         device: The worker's ``torch.device``.
@@ -173,7 +146,7 @@ class CompiledWorkerThread(threading.Thread):
     ) -> None:
         super().__init__(name=name, daemon=daemon)
         if not _count(warmup_steps) or not (max_steps is None or _count(max_steps)):
-            raise ValueError(f"threadgraph: warmup_steps must be an integer >= 0 and max_steps one or None, got "
+            raise UsageError(f"threadgraph: warmup_steps must be an integer >= 0 and max_steps one or None, got "
                              f"warmup_steps={warmup_steps!r}, max_steps={max_steps!r}")
         self.device = resolve_device(device)
         install()  # here, in the constructing thread, so it precedes any compile in the worker
@@ -226,9 +199,13 @@ class CompiledWorkerThread(threading.Thread):
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker; re-raise its exception as WorkerError (the original as cause).
-        Still running after ``timeout`` seconds: TimeoutError naming what it is doing, the worker left
-        running (``stop()`` asks it to end), as a group's join raises. Ctrl-C while waiting stops the
-        worker, waits for it, and re-raises, as a group's join does."""
+        Ctrl-C while waiting stops the worker, waits for it, and re-raises, as a group's join does.
+
+        Raises:
+            WorkerError: The worker failed.
+            JoinTimeout: Still running after ``timeout`` seconds (also a TimeoutError); it names
+                what the worker is doing and leaves it running (``stop()`` asks it to end).
+        """
         try:
             super().join(timeout)
         except KeyboardInterrupt:
@@ -236,7 +213,7 @@ class CompiledWorkerThread(threading.Thread):
             wait_stopped([self], "interrupted")
             raise
         if self.is_alive():
-            raise TimeoutError(f"threadgraph: worker {_doing(self)} still running after {timeout} s; "
+            raise JoinTimeout(f"threadgraph: worker {_doing(self)} still running after {timeout} s; "
                                "call stop() to ask it to end, or join() again to keep waiting")
         wait_for_thread_exit(self)
         if self._exception is not None:
@@ -245,7 +222,7 @@ class CompiledWorkerThread(threading.Thread):
     def join_group(self, membership: Membership) -> None:
         """Called by ``WorkerGroup.add``: the worker belongs to that group from now on."""
         if self._membership is not None:
-            raise ValueError(f"threadgraph: worker {self.name} belongs to another group; a worker is in one group")
+            raise UsageError(f"threadgraph: worker {self.name} belongs to another group; a worker is in one group")
         self._membership = membership
 
     def gate(self) -> contextlib.AbstractContextManager:
@@ -311,7 +288,7 @@ class CompiledWorkerThread(threading.Thread):
             if not self.stopping:  # another group's queue, or one closed by hand: this worker's failure
                 error, failed_in = exc, self._phase
         except BaseException as exc:  # stored and re-raised from join(); nothing is swallowed
-            error, failed_in = _clear_capture_conflict(exc, self.device), self._phase
+            error, failed_in = clear_capture_conflict(exc, self.device), self._phase
         if skipped and error is None:
             log.debug("threadgraph: worker %s stopped before its setup ran", self.name)
             release_cudagraph_tls()
@@ -409,21 +386,3 @@ class CompiledWorkerThread(threading.Thread):
 def _count(value) -> bool:
     """An integer >= 0 (not a bool, not a float such as 2.5)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _clear_capture_conflict(exc: BaseException, device: torch.device) -> BaseException:
-    """The CUDA error of a capture conflict, explained (the original as cause); anything else as it is."""
-    if device.type != "cuda":
-        return exc
-    clear = explain_capture_conflict(exc, device)
-    if clear is None:
-        return exc
-    clear.__cause__ = exc
-    return clear
-
-
-def add_note(error: BaseException, note: str) -> None:
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10
-        log.error("threadgraph: %s", note)
