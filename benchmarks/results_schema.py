@@ -33,6 +33,44 @@ EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 AS_THREADED = "as threaded"
 
 
+# The fewest steady tokens/s windows a dflash-throughput ratio may rest on, on each side: one window
+# (the next after warmup) can be fed by the batches the target threads queued during warmup, and
+# read as a speed-up the devices cannot give (a 20-step run: 1.63x, its 60-step run 1.01x).
+MIN_STEADY_WINDOWS = 3
+
+
+def steady_windows(cell: dict) -> Optional[int]:
+    """The steady tokens/s windows a dflash-throughput cell's figure rests on: a threaded cell's
+    ``steady_windows``, a sequential cell's ``windows_tokens_per_s`` (None where the cell says not)."""
+    if "steady_windows" in cell:
+        return cell["steady_windows"]
+    windows = cell.get("windows_tokens_per_s")
+    return len(windows) if isinstance(windows, list) else None
+
+
+def ratio_withheld(threaded: dict, sequential: dict) -> Optional[str]:
+    """Why a dflash-throughput run reports no threaded / sequential ratio, or None when it may: a
+    side timed over fewer than MIN_STEADY_WINDOWS steady windows."""
+    short = [f"the {name} cell {count} steady window{'s' if count != 1 else ''}"
+             for name, count in (("threaded", steady_windows(threaded)), ("sequential", steady_windows(sequential)))
+             if count is not None and count < MIN_STEADY_WINDOWS]
+    if not short:
+        return None
+    return (f"no ratio: {' and '.join(short)}, fewer than {MIN_STEADY_WINDOWS} (the first can hold batches queued "
+            f"during warmup); --steps 50 or more gives {MIN_STEADY_WINDOWS}")
+
+
+def above_gpu_bound(data: dict) -> dict:
+    """The pipelines of a dflash-throughput run whose tokens/s exceed its GPU-bound limit, by their
+    ratio to it: impossible (the devices cannot run their kernels faster than back to back), so a
+    measurement error to flag, never a speed-up to report. Empty without a limit."""
+    bound = data.get("gpu_bound_tokens_per_s")
+    if not bound:
+        return {}
+    pipelines = {name: data.get(f"tokens_per_s_{name}") for name in ("threaded", "sequential", "processes")}
+    return {name: value / bound for name, value in pipelines.items() if value is not None and value > bound}
+
+
 def timed_alike(sequential: dict) -> bool:
     """Whether a dflash-throughput run timed its two cells alike: no profiler before or during either
     timed span, a median of windows on both; its sequential cell then has ``windows_tokens_per_s``."""
