@@ -14,6 +14,7 @@ checks and writes one. No torch import: the renderers read JSON only.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -56,8 +57,7 @@ def ratio_withheld(threaded: dict, sequential: dict) -> Optional[str]:
              if count is not None and count < MIN_STEADY_WINDOWS]
     if not short:
         return None
-    return (f"no ratio: {' and '.join(short)}, fewer than {MIN_STEADY_WINDOWS} (the first can hold batches queued "
-            f"during warmup); --steps 50 or more gives {MIN_STEADY_WINDOWS}")
+    return f"no ratio: {' and '.join(short)}, fewer than {MIN_STEADY_WINDOWS}"
 
 
 def above_gpu_bound(data: dict) -> dict:
@@ -271,31 +271,60 @@ def misnamed(folder: Path) -> list[str]:
 ABSOLUTE_PATH = re.compile(r"(?<![\w.:/<>~-])/[\w.+-]+(?:/[\w.+-]+)*/?")
 
 
-def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent) -> Any:
-    """``value`` (text, or JSON data: every string in it) with each absolute path made relative to
-    the repository root (inside it) or cut to its last part (outside it: a cache, a temporary
-    folder), so that no results file names the folders of the machine that wrote it."""
+# How results files write the threadgraph cache (the DFlash assets and shape targets): ``<cache>/...``.
+CACHE = "<cache>"
+
+
+def cache_root() -> Path:
+    """The threadgraph cache, as the DFlash assets resolve it (``assets.default_cache_root``, which
+    imports torch): ``$THREADGRAPH_CACHE``, else ``$XDG_CACHE_HOME/threadgraph``, else ``~/.cache/threadgraph``."""
+    if os.environ.get("THREADGRAPH_CACHE"):
+        return Path(os.environ["THREADGRAPH_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "threadgraph"
+
+
+def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent, cache: Optional[Path] = None) -> Any:
+    """``value`` (text, or JSON data: every string in it) with each absolute path written so that no
+    results file names the folders of the machine that wrote it: inside the threadgraph cache as
+    ``<cache>/...``; inside the repository relative to it, but for a hidden folder of the checkout (a
+    virtual environment, a cache kept there), cut to its last part as every other path is (a temporary
+    folder, a site-packages file)."""
+    cache = cache_root() if cache is None else cache
     if isinstance(value, dict):
-        return {neutral(k, root): neutral(v, root) for k, v in value.items()}
+        return {neutral(k, root, cache): neutral(v, root, cache) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [neutral(v, root) for v in value]
+        return [neutral(v, root, cache) for v in value]
     if not isinstance(value, str):
         return value
 
     def shown(found: re.Match) -> str:
         path = Path(found.group(0))
-        try:
-            return str(path.relative_to(root)) if path != root else "."
-        except ValueError:
-            return path.name or "."
+        for base, label in ((cache, CACHE), (root, ".")):
+            try:
+                inside = path.relative_to(base)
+            except ValueError:
+                continue
+            if label == CACHE:
+                return f"{CACHE}/{inside}" if inside.parts else CACHE
+            if not inside.parts:
+                return "."
+            if not inside.parts[0].startswith("."):
+                return str(inside)
+        return path.name or "."
     return ABSOLUTE_PATH.sub(shown, value)
+
+
+# What a results file's ``env`` never holds: the name of the machine that wrote it.
+PRIVATE_ENV = ("host", "hostname")
 
 
 def write(path: Path, data: dict) -> Path:
     """Check ``data`` against the schema of ``path``'s name, then write it (one space indent) with no
-    absolute path in it (``neutral``)."""
+    absolute path in it (``neutral``) and no machine name in its ``env`` (PRIVATE_ENV)."""
     path = Path(path)
     data = neutral(json.loads(json.dumps(data, default=str)))
+    if isinstance(data.get("env"), dict):
+        data["env"] = {k: v for k, v in data["env"].items() if k not in PRIVATE_ENV}
     validate(path.name, data)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
