@@ -340,7 +340,9 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: dic
         peaks = cell.get("peak_memory_gib") or {}
         out[f"peak_memory_gib_{name}"] = max(peaks.values()) if peaks else None
     out["memory_estimate_gib"] = sum(estimate.values()) if estimate else None
-    out["ratio_withheld"] = ratio_withheld(threaded, sequential)
+    withheld = ratio_withheld(threaded, sequential)
+    out["ratio_withheld"] = withheld and (f"{withheld} (the first steady window can hold batches the targets queued "
+                                          f"during warmup; --steps 50 or more gives {MIN_STEADY_WINDOWS})")
     out["ratio"] = None if out["ratio_withheld"] else _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
     out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
                             if startup_comparable(sequential) else None)

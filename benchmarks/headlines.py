@@ -48,7 +48,7 @@ def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     devices = len(data["sequential"].get("devices", [])) or 1
     # the rule applies to every file, also those written before it: the JSON keeps its figures
-    withheld = data.get("ratio_withheld") or ratio_withheld(data["threaded"], data["sequential"])
+    withheld = ratio_withheld(data["threaded"], data["sequential"])
     device, ratio = device_word(data), "-" if data["ratio"] is None or withheld else f"{data['ratio']:.2f}"
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
               f"{_kilo(data['sequential'].get('tokens_per_s'))}: {ratio}x")
