@@ -70,8 +70,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
     """Run a benchmark cell subprocess: ``cmd_before_out + [path]``, which writes its result as
-    JSON to ``path``, with ``cell_env``; its result, or {"error": ...} with its last stderr line
-    (``wait_or_stop``: a cell never outlives its timeout or its parent)."""
+    JSON to ``path``, with ``cell_env``; its result, or {"error": ..., "exit_code": ...} with its last
+    stderr line and exit status (``wait_or_stop``: a cell never outlives its timeout or its parent)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "cell.json")
         proc = subprocess.Popen([*cmd_before_out, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -83,7 +83,7 @@ def run_cell(cmd_before_out: list, cache_dir: str, timeout: int) -> dict:
         if out.exists():
             return json.loads(out.read_text())
         sys.stderr.write(stderr[-3000:])
-        return {"error": exit_error(proc.returncode, stderr)}
+        return {"error": exit_error(proc.returncode, stderr), "exit_code": proc.returncode}
 
 
 def exit_error(returncode: int, stderr: str) -> str:

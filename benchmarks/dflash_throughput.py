@@ -51,7 +51,7 @@ from . import common
 from . import dflash_processes
 from . import dflash_sequential
 from . import thread_profile
-from .results_schema import EMPTY, SHARED, startup_comparable
+from .results_schema import EMPTY, MIN_STEADY_WINDOWS, SHARED, above_gpu_bound, ratio_withheld, startup_comparable
 
 import torch
 
@@ -60,7 +60,8 @@ from examples.dflash_trainer.errors import EXIT_BAD_INPUT, BadInput
 from examples.dflash_trainer.assets.shapes import SHAPES
 
 
-MIN_CLEAN_WINDOWS = 2  # steady windows no profiler touched, at the least, for a profiled run
+# steady windows no profiler touched, at the least, for a profiled run: as many as a ratio needs
+MIN_CLEAN_WINDOWS = MIN_STEADY_WINDOWS
 
 
 def profile_span(steps: int) -> tuple[int, int] | None:
@@ -262,11 +263,20 @@ def main(argv=None) -> int:
         if not common.on_gpu():
             torch.set_num_threads(1)
         cfg = TrainConfig.from_dict(json.loads(args.cell_config))
-        if args.cell == "threaded":
-            result = run_threaded(cfg, profile_s=args.profile_seconds)
-        else:
-            result = dflash_sequential.run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
+        try:
+            if args.cell == "threaded":
+                result = run_threaded(cfg, profile_s=args.profile_seconds)
+            else:
+                result = dflash_sequential.run_sequential(cfg, warmup_batches=LOG_EVERY * cfg.drafters)
+        except BadInput as err:  # the trainer refused the run (its size check, for one): exit 2, one line
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         common.finish_cell(args.cell_out, result, default=str)
+    steady = args.steps // LOG_EVERY - 2  # without the first window (warmup) and the last (the drain)
+    if steady < MIN_STEADY_WINDOWS:
+        print(f"note: --steps {args.steps} gives {steady} steady window{'s' if steady != 1 else ''}; a threaded / "
+              f"sequential ratio needs {MIN_STEADY_WINDOWS} (--steps 50 or more), so this run reports none",
+              file=sys.stderr, flush=True)
     env = common.environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
@@ -282,6 +292,10 @@ def main(argv=None) -> int:
             print(f"[{name}]", file=sys.stderr, flush=True)
             results[name] = (dflash_processes.run_cell(cfg, args.processes, args.cell_timeout, shared)
                              if name == "processes" else run_cell_subprocess(args, name, cfg, shared))
+            if results[name].get("exit_code") == EXIT_BAD_INPUT:  # refused before measuring: no results file
+                print(f"the {name} cell refused the run ({results[name]['error']}): no results file written",
+                      file=sys.stderr)
+                return EXIT_BAD_INPUT
             results[name]["inductor_cache"] = EMPTY if name == "threaded" or not shared else SHARED
     figures = headline(cfg, results["threaded"], results["sequential"], env["gpu"] is not None,
                        results.get("processes"), estimate)
@@ -304,7 +318,10 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: dic
     trained one batch a device a round: that time, the limit then times the devices). GIL: the sequential loop's host time per batch (perf_counter
     around one batch's Python work, the device synchronised before and after), and the number of GPUs
     one process could feed before that host time fills the GIL: GPU ms per batch / host ms per batch.
-    Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run."""
+    Memory: each cell's peak on its busiest device, and the trainer's estimate for the threaded run.
+    No ratio (``ratio_withheld`` says why) where a side rests on fewer than MIN_STEADY_WINDOWS steady
+    windows; ``above_gpu_bound`` flags every pipeline faster than the GPU-bound limit, which no
+    pipeline can be: a measurement error."""
     batch_tokens = cfg.batch_size * cfg.seq_len
     per_round = sequential.get("gpu_ms_per_round_by_device") or {}
     if per_round:  # a round: one batch a drafter, spread over the devices as the threads' are
@@ -323,7 +340,10 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: dic
         peaks = cell.get("peak_memory_gib") or {}
         out[f"peak_memory_gib_{name}"] = max(peaks.values()) if peaks else None
     out["memory_estimate_gib"] = sum(estimate.values()) if estimate else None
-    out["ratio"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
+    withheld = ratio_withheld(threaded, sequential)
+    out["ratio_withheld"] = withheld and (f"{withheld} (the first steady window can hold batches the targets queued "
+                                          f"during warmup; --steps 50 or more gives {MIN_STEADY_WINDOWS})")
+    out["ratio"] = None if out["ratio_withheld"] else _div(out["tokens_per_s_threaded"], out["tokens_per_s_sequential"])
     out["startup_ratio"] = (_div(out["startup_s_threaded"], out["startup_s_sequential"])
                             if startup_comparable(sequential) else None)
     if out["gpu_ms_per_batch"]:
@@ -339,8 +359,10 @@ def headline(cfg, threaded: dict, sequential: dict, on_gpu: bool, processes: dic
     if processes is not None:  # --processes: one process per device (dflash_processes.py)
         out["tokens_per_s_processes"] = processes.get("tokens_per_s")
         out["startup_s_processes"] = processes.get("startup_s")
-        out["ratio_threaded_to_processes"] = _div(out["tokens_per_s_threaded"], out["tokens_per_s_processes"])
+        out["ratio_threaded_to_processes"] = (None if out["ratio_withheld"] else
+                                              _div(out["tokens_per_s_threaded"], out["tokens_per_s_processes"]))
         out["ratio_processes_to_gpu_bound"] = _div(out["tokens_per_s_processes"], out["gpu_bound_tokens_per_s"])
+    out["above_gpu_bound"] = above_gpu_bound(out)
     return out
 
 

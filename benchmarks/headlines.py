@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .results_schema import AS_THREADED, family, startup_comparable, timed_alike, trainer_runs_of
+from .results_schema import (AS_THREADED, above_gpu_bound, family, ratio_withheld, startup_comparable, timed_alike,
+                             trainer_runs_of)
 
 MODE_NAMES = {"reduce-overhead": "Trees", "trees": "Trees"}  # other modes by their own name
 RESTART = "on the threaded cell's cache"  # how a sequential startup that is not a first run's is labelled
@@ -46,15 +47,23 @@ def replay(data: dict) -> list:
 def dflash_throughput(data: dict) -> list:
     mode = data["sequential"].get("mode", data["args"].get("cuda_graphs"))
     devices = len(data["sequential"].get("devices", [])) or 1
-    device, ratio = device_word(data), "-" if data["ratio"] is None else f"{data['ratio']:.2f}"
+    # the rule applies to every file, also those written before it: the JSON keeps its figures
+    withheld = ratio_withheld(data["threaded"], data["sequential"])
+    device, ratio = device_word(data), "-" if data["ratio"] is None or withheld else f"{data['ratio']:.2f}"
     figure = (f"threaded {_kilo(data['threaded'].get('tokens_per_s'))} tokens/s, sequential "
               f"{_kilo(data['sequential'].get('tokens_per_s'))}: {ratio}x")
+    if withheld:
+        figure += f" ({withheld})"
     caveats = [*([] if data["sequential"].get("training") == AS_THREADED else ["a sequential loop of more optimizer work"]),
                *([] if timed_alike(data["sequential"]) else ["the two sides not timed alike"])]
     if caveats:
         figure += f" ({', '.join(caveats)})"
     if data.get("gpu_bound_tokens_per_s"):
         figure += f"; GPU-bound limit {data['gpu_bound_tokens_per_s'] / 1e3:.0f}k"
+    above = above_gpu_bound(data)
+    if above:
+        figure += ("; IMPOSSIBLE: " + ", ".join(f"{name} {share:.2f}x" for name, share in above.items())
+                   + " the GPU-bound limit, a measurement error (no pipeline outruns its devices' kernels)")
     if data.get("startup_s_threaded") and data.get("startup_s_sequential"):
         figure += (f"; startup {data['startup_s_threaded']:.0f} s threaded, {data['startup_s_sequential']:.0f} s sequential"
                    + ("" if startup_comparable(data["sequential"]) else f" ({RESTART})"))

@@ -14,6 +14,7 @@ checks and writes one. No torch import: the renderers read JSON only.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -31,6 +32,43 @@ EMPTY, SHARED = "empty", "the threaded cell's (a restart)"
 # replica a device with AdamW after every batch: more optimizer work than the threads, whose drafters
 # share a device's weights.
 AS_THREADED = "as threaded"
+
+
+# The fewest steady tokens/s windows a dflash-throughput ratio may rest on, on each side: one window
+# (the next after warmup) can be fed by the batches the target threads queued during warmup, and
+# read as a speed-up the devices cannot give (a 20-step run: 1.63x, its 60-step run 1.01x).
+MIN_STEADY_WINDOWS = 3
+
+
+def steady_windows(cell: dict) -> Optional[int]:
+    """The steady tokens/s windows a dflash-throughput cell's figure rests on: a threaded cell's
+    ``steady_windows``, a sequential cell's ``windows_tokens_per_s`` (None where the cell says not)."""
+    if "steady_windows" in cell:
+        return cell["steady_windows"]
+    windows = cell.get("windows_tokens_per_s")
+    return len(windows) if isinstance(windows, list) else None
+
+
+def ratio_withheld(threaded: dict, sequential: dict) -> Optional[str]:
+    """Why a dflash-throughput run reports no threaded / sequential ratio, or None when it may: a
+    side timed over fewer than MIN_STEADY_WINDOWS steady windows."""
+    short = [f"the {name} cell {count} steady window{'s' if count != 1 else ''}"
+             for name, count in (("threaded", steady_windows(threaded)), ("sequential", steady_windows(sequential)))
+             if count is not None and count < MIN_STEADY_WINDOWS]
+    if not short:
+        return None
+    return f"no ratio: {' and '.join(short)}, fewer than {MIN_STEADY_WINDOWS}"
+
+
+def above_gpu_bound(data: dict) -> dict:
+    """The pipelines of a dflash-throughput run whose tokens/s exceed its GPU-bound limit, by their
+    ratio to it: impossible (the devices cannot run their kernels faster than back to back), so a
+    measurement error to flag, never a speed-up to report. Empty without a limit."""
+    bound = data.get("gpu_bound_tokens_per_s")
+    if not bound:
+        return {}
+    pipelines = {name: data.get(f"tokens_per_s_{name}") for name in ("threaded", "sequential", "processes")}
+    return {name: value / bound for name, value in pipelines.items() if value is not None and value > bound}
 
 
 def timed_alike(sequential: dict) -> bool:
@@ -235,31 +273,60 @@ def misnamed(folder: Path) -> list[str]:
 ABSOLUTE_PATH = re.compile(r"(?<![\w.:/<>~-])/[\w.+-]+(?:/[\w.+-]+)*/?")
 
 
-def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent) -> Any:
-    """``value`` (text, or JSON data: every string in it) with each absolute path made relative to
-    the repository root (inside it) or cut to its last part (outside it: a cache, a temporary
-    folder), so that no results file names the folders of the machine that wrote it."""
+# How results files write the threadgraph cache (the DFlash assets and shape targets): ``<cache>/...``.
+CACHE = "<cache>"
+
+
+def cache_root() -> Path:
+    """The threadgraph cache, as the DFlash assets resolve it (``assets.default_cache_root``, which
+    imports torch): ``$THREADGRAPH_CACHE``, else ``$XDG_CACHE_HOME/threadgraph``, else ``~/.cache/threadgraph``."""
+    if os.environ.get("THREADGRAPH_CACHE"):
+        return Path(os.environ["THREADGRAPH_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "threadgraph"
+
+
+def neutral(value: Any, root: Path = Path(__file__).resolve().parent.parent, cache: Optional[Path] = None) -> Any:
+    """``value`` (text, or JSON data: every string in it) with each absolute path written so that no
+    results file names the folders of the machine that wrote it: inside the threadgraph cache as
+    ``<cache>/...``; inside the repository relative to it, but for a hidden folder of the checkout (a
+    virtual environment, a cache kept there), cut to its last part as every other path is (a temporary
+    folder, a site-packages file)."""
+    cache = cache_root() if cache is None else cache
     if isinstance(value, dict):
-        return {neutral(k, root): neutral(v, root) for k, v in value.items()}
+        return {neutral(k, root, cache): neutral(v, root, cache) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [neutral(v, root) for v in value]
+        return [neutral(v, root, cache) for v in value]
     if not isinstance(value, str):
         return value
 
     def shown(found: re.Match) -> str:
         path = Path(found.group(0))
-        try:
-            return str(path.relative_to(root)) if path != root else "."
-        except ValueError:
-            return path.name or "."
+        for base, label in ((cache, CACHE), (root, ".")):
+            try:
+                inside = path.relative_to(base)
+            except ValueError:
+                continue
+            if label == CACHE:
+                return f"{CACHE}/{inside}" if inside.parts else CACHE
+            if not inside.parts:
+                return "."
+            if not inside.parts[0].startswith("."):
+                return str(inside)
+        return path.name or "."
     return ABSOLUTE_PATH.sub(shown, value)
+
+
+# What a results file's ``env`` never holds: the name of the machine that wrote it.
+PRIVATE_ENV = ("host", "hostname")
 
 
 def write(path: Path, data: dict) -> Path:
     """Check ``data`` against the schema of ``path``'s name, then write it (one space indent) with no
-    absolute path in it (``neutral``)."""
+    absolute path in it (``neutral``) and no machine name in its ``env`` (PRIVATE_ENV)."""
     path = Path(path)
     data = neutral(json.loads(json.dumps(data, default=str)))
+    if isinstance(data.get("env"), dict):
+        data["env"] = {k: v for k, v in data["env"].items() if k not in PRIVATE_ENV}
     validate(path.name, data)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path

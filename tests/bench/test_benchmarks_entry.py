@@ -74,3 +74,24 @@ def test_a_command_is_its_module_run_as_a_script():
     assert "--caches needs at least two different directories" in through_name.stderr
     assert through_name.stderr.splitlines()[-1].startswith("python -m benchmarks tau-reproducibility: error: ")
     assert through_name.stderr.split(": error: ")[-1] == through_module.stderr.split(": error: ")[-1]
+
+
+def commands_table() -> set:
+    """The command names benchmarks/README.md's table of commands lists (a cell may name two, or a
+    command with its argument: `gpu-scenarios DIR`)."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    table = text.split("## The commands", 1)[1].split("\n\n", 2)[1]
+    names = set()
+    for line in table.splitlines()[2:]:
+        first = line.split("|")[1]
+        names |= {code.split()[0] for code in re.findall(r"`([^`]+)`", first)}
+    return names
+
+
+def test_the_readmes_table_names_every_command_help_lists():
+    done = entry("--help")
+    assert done.returncode == 0, done.stderr
+    listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert listed == set(COMMANDS)
+    assert commands_table() == listed, {"missing from the table": listed - commands_table(),
+                                        "not a command": commands_table() - listed}

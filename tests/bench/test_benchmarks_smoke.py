@@ -97,7 +97,8 @@ def test_dflash_throughput_quick(runs):
     assert len(windows) == 3 and data["threaded"]["steady_windows"] == 1
     assert data["threaded"]["thread_profile"] is None and data["threaded"]["profiled_windows"] == []  # GPU only
     assert data["tokens_per_s_threaded"] == windows[1] and data["tokens_per_s_last_window_threaded"] == windows[-1]
-    assert data["ratio"] is not None
+    # --quick's 30 steps leave one steady window: too few for a ratio, and the run says so
+    assert data["ratio"] is None and data["ratio_withheld"].startswith("no ratio: the threaded cell 1 steady window")
     assert 0 < data["startup_s_threaded"] < data["seconds"] and 0 < data["startup_s_sequential"] < data["seconds"]
     seq = data["sequential"]
     assert data["host_gil_ms_per_batch"] > 0 and seq["host_probe_rounds"] == 5
@@ -111,14 +112,14 @@ def test_dflash_throughput_quick(runs):
     parts = data["memory_estimate_gib_by_part"]
     assert set(parts) == {"weights", "drafter_training", "target_forward", "hand_off", "drafter_step"}
     assert data["memory_estimate_gib"] == pytest.approx(sum(parts.values())) and parts["weights"] > 0
-    assert "| tiny target, eager, 1 CPU | threaded " in stdout and f": {data['ratio']:.2f}x" in stdout
+    assert "| tiny target, eager, 1 CPU | threaded " in stdout and ": -x (no ratio: the threaded cell 1 steady" in stdout
     assert [p.suffix for p in out_dir.iterdir()] == [".json"]
     ranks = data["processes"]
     assert "error" not in ranks and ranks["processes"] == 2 and ranks["devices"] == ["cpu", "cpu"], ranks
     assert ranks["timed_batches"] + ranks["warmup_batches"] == data["config"]["max_steps"] * data["config"]["drafters"]
     # the ranks train on different batches, so only the gradient average over them keeps their weights equal
     assert ranks["ranks_weights_max_diff"] == 0.0 and ranks["tokens_per_s"] > 0
-    assert data["ratio_threaded_to_processes"] == data["tokens_per_s_threaded"] / ranks["tokens_per_s"]
+    assert data["ratio_threaded_to_processes"] is None  # withheld with the ratio
 
 
 def test_the_written_results_hold_no_absolute_path(runs):

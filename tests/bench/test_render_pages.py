@@ -33,7 +33,7 @@ def _result(results, shape, graphs, date, tokens_threaded, gpu="NVIDIA H200", se
     data["sequential"] = {"compile_phases_s": {}} if sequential_cache is None else {"inductor_cache": sequential_cache}
     data["sequential"]["tokens_per_s"] = 250_000.0
     if alike:  # trained and timed as the threads are: a median of windows
-        data["sequential"].update(windows_tokens_per_s=[250_000.0], training="as threaded")
+        data["sequential"].update(windows_tokens_per_s=[250_000.0] * 3, training="as threaded")  # enough for a ratio
     name = f"dflash-throughput-{shape}-{graphs}_nvidia-h200_torch{torch}_{date}.json"
     (results / name).write_text(json.dumps(data))
     return name

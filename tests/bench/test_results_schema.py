@@ -104,12 +104,14 @@ def test_the_absolute_path_detector_finds_paths_and_leaves_links_ratios_and_rela
     assert absolute_paths(text) == ["/var/cache/x", "/usr/lib/python3.12/threading.py", "/tmp/run-1", "/opt/me"]
 
 
-def test_write_makes_paths_inside_the_repository_relative_and_cuts_others_to_their_last_part(tmp_path):
+def test_write_makes_paths_inside_the_repository_relative_and_cuts_others_to_their_last_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("THREADGRAPH_CACHE", str(ROOT / ".tgcache"))  # a cache kept in the checkout
     data = dict(GIL, args={"devices": "cuda:0", "target": str(ROOT / ".tgcache" / "shape-8b"),
+                           "python": str(ROOT / ".venv" / "bin" / "python"), "script": str(ROOT / "benchmarks" / "x.py"),
                            "out_dir": "/var/runs/run-1", "root": str(ROOT)})  # a folder outside the repository
     path = schema.write(tmp_path / GIL_NAME, data)
-    assert schema.load(path).data["args"] == {"devices": "cuda:0", "target": ".tgcache/shape-8b", "out_dir": "run-1",
-                                              "root": "."}
+    assert schema.load(path).data["args"] == {"devices": "cuda:0", "target": "<cache>/shape-8b", "python": "python",
+                                              "script": "benchmarks/x.py", "out_dir": "run-1", "root": "."}
     assert schema.neutral(f"# report\n\ntarget: {ROOT / 'examples' / 'x.py'}\n") == "# report\n\ntarget: examples/x.py\n"
     assert absolute_paths(path.read_text()) == [] and data["args"]["out_dir"] == "/var/runs/run-1"  # data kept
 

@@ -52,10 +52,10 @@ __all__ = ["BuildSpec", "CacheDirError", "DefaultAssets", "default_assets", "def
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "THREADGRAPH_CACHE"
-# Measured on 2 CPU cores: about 2 min with the cores to itself, 11 - 18 min in the builds of the trainer
-# README's table (benchmarks/results); it follows the CPU time free for it.
-BUILD_TIME = ("the default spec took 2 - 18 min on 2 CPU cores, depending on the other work sharing them; "
-              "more cores are faster")
+# The measured range is in the trainer's README (generated from benchmarks/results); it follows the CPU
+# time free for the build.
+BUILD_TIME = ("the default spec takes minutes (the trainer's README has the measured range), more while other "
+              "work shares the CPU cores; more cores are faster")
 
 @dataclass(frozen=True)
 class DefaultAssets:
