@@ -37,7 +37,7 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         where = groups.get(field.metadata.get("group"), parser)
         default = field.default if defaults else argparse.SUPPRESS
         if kind is bool:
-            where.add_argument(flag, action="store_true", default=default, help=field.metadata.get("help"))
+            where.add_argument(flag, action="store_true", default=default, help=_help(field))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         where.add_argument(flag, type=base, default=default, choices=CHOICES.get(field.name), help=_help(field))
@@ -54,9 +54,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 
 
 def _help(field: dataclasses.Field) -> str:
-    """A flag's help: the field's own words (its metadata's "help"), if any, and its default."""
-    doc = field.metadata.get("help")
-    return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
+    """A flag's help: the field's own words (its metadata's "help"), and its default where it has one (the
+    words say what an unset flag means; a switch is off unless given)."""
+    doc = field.metadata["help"]
+    return doc if field.default is None or isinstance(field.default, bool) else f"{doc}; default: {field.default}"
 
 
 def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
