@@ -24,3 +24,23 @@ def test_every_flag_has_a_help_line_that_says_more_than_its_default():
         if len(words) < 10:
             bare.append(f"{action.option_strings[0]}: {action.help!r}")
     assert not bare, "flags whose --help says nothing but a default:\n" + "\n".join(bare)
+
+
+def _readme_section(heading: str) -> str:
+    text = (TRAINER / "README.md").read_text()
+    assert f"\n## {heading}\n" in text, f"the trainer's README has no '## {heading}' section"
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_shows_the_three_data_formats_and_its_examples_are_read_as_written():
+    from examples.dflash_trainer.data.records import tokenize_lines
+    from tests.helpers.chat_tokenizer import qwen3_style_tokenizer
+
+    section = _readme_section("Data formats")
+    example = re.search(r"```jsonl\n(.*?)```", section, re.S).group(1).splitlines()
+    kinds = [next(k for k in ("prompt", "messages", "input_ids") if f'"{k}"' in line) for line in example]
+    assert sorted(kinds) == ["input_ids", "messages", "prompt"]
+    for key in ("response", "role", "content", "reasoning_content", "loss_mask", "--seq-len", "--target"):
+        assert key in section, key
+    data = tokenize_lines(example, source="README", tokenizer=qwen3_style_tokenizer(), seq_len=64)
+    assert len(data) == 3 and data.skipped == 0
