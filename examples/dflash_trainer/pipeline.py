@@ -66,6 +66,10 @@ def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Option
         log.warning("dflash: %s", RANDOM_WEIGHTS_WARNING)
         return str(built.dir), config.data or str(assets.train_jsonl), str(assets.eval_jsonl), built.report
     if config.target is None:
+        if config.data is not None:  # the embedded tiny target trained on someone else's data: no use to anyone
+            raise InputError("--data needs --target: the data should be the responses of the model the drafter is "
+                             "for; pass --target DIR, that model (without --target the run trains for the embedded "
+                             "tiny default target)")
         from .assets.assets import default_assets
 
         assets = default_assets()

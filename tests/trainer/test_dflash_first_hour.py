@@ -44,3 +44,29 @@ def test_the_readme_shows_the_three_data_formats_and_its_examples_are_read_as_wr
         assert key in section, key
     data = tokenize_lines(example, source="README", tokenizer=qwen3_style_tokenizer(), seq_len=64)
     assert len(data) == 3 and data.skipped == 0
+
+
+@pytest.fixture
+def quiet_cli(monkeypatch):
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)  # needs a real stderr
+
+
+def _last_error(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), lines
+    assert not any("Traceback" in line for line in lines), lines
+    return lines[-1]
+
+
+def test_data_without_target_is_refused_before_the_embedded_target_is_built(tiny_assets, tmp_path, quiet_cli, capsys,
+                                                                            monkeypatch):
+    from examples.dflash_trainer.assets import assets
+
+    def built(*args, **kwargs):
+        raise AssertionError("the embedded default target was built to train on the user's data")
+
+    monkeypatch.setattr(assets, "default_assets", built)
+    code = cli.main(["--data", str(tiny_assets.train_jsonl), "--devices", "cpu", "--out-dir", str(tmp_path / "run"),
+                     "--data-cache", str(tmp_path / "cache")])
+    last = _last_error(capsys)
+    assert code == 2 and re.search(r"--data needs --target: .*pass --target DIR", last), last
