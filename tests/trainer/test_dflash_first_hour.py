@@ -70,3 +70,18 @@ def test_data_without_target_is_refused_before_the_embedded_target_is_built(tiny
                      "--data-cache", str(tmp_path / "cache")])
     last = _last_error(capsys)
     assert code == 2 and re.search(r"--data needs --target: .*pass --target DIR", last), last
+
+
+def test_the_requirements_ask_for_a_transformers_that_takes_the_dtype_keyword():
+    import inspect
+
+    from packaging.requirements import Requirement
+
+    from examples.dflash_trainer.target import TargetModel
+
+    # The target is loaded with from_pretrained(dtype=...): transformers before 4.56 called it torch_dtype and
+    # would load the weights in float32, ignoring the keyword.
+    assert 'kwargs["dtype"]' in inspect.getsource(TargetModel.from_pretrained)
+    lines = (TRAINER / "requirements.txt").read_text().splitlines()
+    spec = next(Requirement(line.split("#")[0]) for line in lines if line.startswith("transformers"))
+    assert "4.56.0" in spec.specifier and "4.55.4" not in spec.specifier, spec
