@@ -109,6 +109,7 @@ class Pipeline:
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()
+        check_positions(config, target_dir, shape.config)
         num_params = sum(p.numel() for p in shape.model.parameters())
         sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
         data = read_cached(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size,
@@ -192,6 +193,17 @@ class Pipeline:
                            tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * cfg.grad_accum * self.world,
                            lr_at=lambda step: cfg.lr * self.schedule.lr_factor(step), base_lr=cfg.lr,
                            checkpoint_dir=self.checkpointer.directory, metrics=metrics, progress=progress)
+
+
+def check_positions(config: TrainConfig, target_dir: str, model_config) -> None:
+    """Refuse a ``--seq-len`` beyond the positions the target was trained for (its config's
+    max_position_embeddings): its features there are no guide for a drafter (``--preset paper`` asks
+    for 3072)."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and not isinstance(positions, bool) and config.seq_len > positions:
+        raise InputError(f"--seq-len {config.seq_len} exceeds the {positions} positions of the target {target_dir} "
+                         f"(max_position_embeddings in its config.json); pass --seq-len {positions} or less (a flag "
+                         f"given beside --preset wins over the preset's value)")
 
 
 def _published_drafter(config: TrainConfig, shape: TargetModel) -> PublishedDrafter:

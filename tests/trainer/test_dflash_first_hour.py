@@ -85,3 +85,25 @@ def test_the_requirements_ask_for_a_transformers_that_takes_the_dtype_keyword():
     lines = (TRAINER / "requirements.txt").read_text().splitlines()
     spec = next(Requirement(line.split("#")[0]) for line in lines if line.startswith("transformers"))
     assert "4.56.0" in spec.specifier and "4.55.4" not in spec.specifier, spec
+
+
+def _tiny_flags(assets, tmp_path, *extra):
+    """A run on the tiny assets with only the flags given (tiny_cli's would override a --preset)."""
+    return ["--target", str(assets.target_dir), "--data", str(assets.train_jsonl), "--devices", "cpu",
+            "--out-dir", str(tmp_path / "run"), "--data-cache", str(tmp_path / "cache"), "--eval-every", "0",
+            "--checkpoint-every", "0", *extra]
+
+
+def test_preset_paper_beyond_the_targets_positions_is_refused_naming_seq_len(tiny_assets, tmp_path, quiet_cli,
+                                                                              capsys, monkeypatch):
+    from examples.dflash_trainer import pipeline
+
+    def read(*args, **kwargs):
+        raise AssertionError("the data was read: the run went on past the target's positions")
+
+    monkeypatch.setattr(pipeline, "read_cached", read)
+    code = cli.main(_tiny_flags(tiny_assets, tmp_path, "--preset", "paper", "--num-draft-layers", "1",
+                                "--num-target-layers-used", "1", "--batch-size", "1", "--max-steps", "1"))
+    last = _last_error(capsys)
+    assert code == 2 and re.search(r"--seq-len 3072 exceeds the 512 positions of the target .*pass --seq-len 512 or "
+                                   r"less", last), last
