@@ -2,6 +2,8 @@
 data formats are documented, and bad input (a flag, a file, a directory) is one line naming the flag
 and exit 2, never a raw error."""
 
+import logging
+import os
 import re
 from pathlib import Path
 
@@ -107,3 +109,57 @@ def test_preset_paper_beyond_the_targets_positions_is_refused_naming_seq_len(tin
     last = _last_error(capsys)
     assert code == 2 and re.search(r"--seq-len 3072 exceeds the 512 positions of the target .*pass --seq-len 512 or "
                                    r"less", last), last
+
+
+def test_a_tensorboard_dir_that_is_a_file_or_unwritable_is_one_line_naming_the_flag(tiny_assets, tmp_path, quiet_cli,
+                                                                                    capsys):
+    from tests.helpers.tiny_run import tiny_cli
+
+    as_file = tmp_path / "events"
+    as_file.write_text("x")
+    if os.geteuid() == 0:  # root writes through any mode bits, but creates nothing in /proc
+        locked = Path("/proc/self/tensorboard")
+    else:
+        (tmp_path / "locked").mkdir(mode=0o500)
+        locked = tmp_path / "locked" / "tensorboard"
+    for where, says in ((as_file, "is a file, not a directory"), (locked, "cannot be created")):
+        code = cli.main(tiny_cli(tiny_assets, tmp_path / f"run-{where.name}", "--max-steps", "1", "--tensorboard",
+                                 str(where)))
+        last = _last_error(capsys)
+        assert code == 2 and last.startswith(f"error: --tensorboard {where} {says}"), last
+
+
+def test_init_from_with_corrupt_weights_is_one_line_naming_the_flag(tiny_assets, tmp_path, quiet_cli, capsys):
+    from examples.dflash_trainer.export.export import export
+    from tests.helpers.export_fixtures import make_checkpoint
+    from tests.helpers.tiny_run import tiny_cli
+
+    make_checkpoint(tmp_path / "ckpt", tiny_assets.target_dir, saved_target=str(tiny_assets.target_dir),
+                    num_layers=1, n=1)
+    published, _ = export(tmp_path / "ckpt", "zlab", tmp_path / "zlab")
+    weights = published / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code = cli.main(tiny_cli(tiny_assets, tmp_path / "run", "--max-steps", "1", "--init-from", str(published)))
+    last = _last_error(capsys)
+    assert code == 2 and re.search(r"--init-from .*zlab: model\.safetensors is not a readable safetensors file "
+                                   r"\(.*\d+ bytes\): it is truncated or corrupt", last), last
+
+
+def test_bad_yaml_in_config_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("seq-len: [64, 128\nlr: 0.001\n")
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(rf"error: --config {re.escape(str(path))} is not valid YAML \(ParserError: "
+                                      r".*at line 2, column \d+\); fix the file$", err[0]), err
+
+
+def test_a_flag_that_overrides_the_config_file_is_logged_with_both_values(tmp_path, caplog):
+    path = tmp_path / "run.toml"
+    path.write_text('seq-len = 48\nreasoning = "keep"\nlr = 0.002\n')
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        args, _ = cli.parse_flags(["--config", str(path), "--seq-len", "32", "--reasoning", "keep", "--epochs", "2"])
+    assert (args["seq_len"], args["reasoning"], args["lr"], args["epochs"]) == (32, "keep", 0.002, 2)
+    said = [r.getMessage() for r in caplog.records if r.name == "dflash"]
+    assert said == [f"dflash: --seq-len 32 on the command line overrides seq_len = 48 from {path}"], said
+
