@@ -163,3 +163,26 @@ def test_a_flag_that_overrides_the_config_file_is_logged_with_both_values(tmp_pa
     said = [r.getMessage() for r in caplog.records if r.name == "dflash"]
     assert said == [f"dflash: --seq-len 32 on the command line overrides seq_len = 48 from {path}"], said
 
+
+def _unwritable_dir(tmp_path) -> Path:
+    """A directory that exists and that this process cannot create files in."""
+    if os.geteuid() == 0:  # root writes through any mode bits, but creates nothing in /proc
+        return Path("/proc/self")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked
+
+
+def test_an_unwritable_data_cache_is_one_warning_and_the_data_is_read(tmp_path, caplog):
+    from examples.dflash_trainer.data import cache as data_cache
+    from tests.helpers.chat_tokenizer import qwen3_style_tokenizer
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(f'{{"prompt": "What is {i} and {i}?", "response": "It is {2 * i}."}}\n' for i in range(6)))
+    tokenizer = qwen3_style_tokenizer()
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        data = data_cache.read_cached(path, tokenizer=tokenizer, seq_len=48, cache_dir=_unwritable_dir(tmp_path))
+    plain = data_cache.read_cached(path, tokenizer=tokenizer, seq_len=48, cache_dir=None)
+    assert data.ids.equal(plain.ids) and data.loss_mask.equal(plain.loss_mask)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and re.search(r"could not write the data cache entry .*training goes on", warned[0]), warned
