@@ -30,7 +30,7 @@ from .run.metrics import MetricsLogger, TrainingLog
 from .run.placement import available_devices
 from .policy import ExecutionPolicy
 from .drafter.replica import DrafterReplica, SharedDrafterWeights
-from .run.schedule import Schedule
+from .run.schedule import Schedule, check_step_size
 from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetModel, TargetSource
 from .export.init_from import PublishedDrafter, read_published
@@ -124,6 +124,7 @@ class Pipeline:
             log.info("dflash: %d samples of --data held out for evaluation (a fixed split; --eval-data FILE "
                      "replaces it), %d left to train on", len(held_out), len(data))
         rank, world = distributed.rank_and_world()
+        check_step_size(config, len(data), world)
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.
         checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", config,

@@ -186,3 +186,31 @@ def test_an_unwritable_data_cache_is_one_warning_and_the_data_is_read(tmp_path, 
     assert data.ids.equal(plain.ids) and data.loss_mask.equal(plain.loss_mask)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and re.search(r"could not write the data cache entry .*training goes on", warned[0]), warned
+
+
+def test_a_grad_accum_that_makes_a_step_many_passes_over_the_data_is_refused(tiny_assets, tmp_path, quiet_cli,
+                                                                             capsys, monkeypatch):
+    from examples.dflash_trainer import pipeline
+    from tests.helpers.tiny_run import tiny_cli
+
+    def went_on(*args, **kwargs):
+        raise AssertionError("the run went on to steps of millions of samples each")
+
+    monkeypatch.setattr(pipeline, "Checkpointer", went_on)
+    code = cli.main(tiny_cli(tiny_assets, tmp_path / "run", "--grad-accum", "1000000"))
+    last = _last_error(capsys)
+    # the tiny run: --batch-size 2 x 3 drafters
+    assert code == 2 and re.search(r"--grad-accum 1000000 makes one optimizer step take 6,000,000 samples "
+                                   r"\(--batch-size 2 x --drafters 3 x --grad-accum 1000000\), [\d,.]+ passes over "
+                                   r"the (\d+) samples of the data; pass --grad-accum \d+ or less", last), last
+    samples = int(re.search(r"passes over the (\d+) samples", last).group(1))
+    most = int(re.search(r"pass --grad-accum (\d+) or less", last).group(1))
+    assert most == samples // 6 >= 1
+
+
+def test_a_grad_accum_within_one_pass_a_step_is_accepted(tiny_assets, tmp_path):
+    from examples.dflash_trainer.pipeline import Pipeline
+    from tests.helpers.tiny_run import tiny_config
+
+    config = tiny_config(tiny_assets, tmp_path / "run", grad_accum=2)
+    assert Pipeline.build(config).schedule.total_steps == config.max_steps
