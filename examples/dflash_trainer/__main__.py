@@ -24,6 +24,8 @@ from .errors import EXIT_BAD_INPUT, BadInput, report_failure
 from .run.metrics import format_phases
 from .run.result import RunResult
 
+log = logging.getLogger("dflash")
+
 
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:
     """The command line; ``defaults=False``: the fields' flags have none (a parse holds only those given)."""
@@ -37,7 +39,7 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         where = groups.get(field.metadata.get("group"), parser)
         default = field.default if defaults else argparse.SUPPRESS
         if kind is bool:
-            where.add_argument(flag, action="store_true", default=default, help=field.metadata.get("help"))
+            where.add_argument(flag, action="store_true", default=default, help=_help(field))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         where.add_argument(flag, type=base, default=default, choices=CHOICES.get(field.name), help=_help(field))
@@ -54,9 +56,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 
 
 def _help(field: dataclasses.Field) -> str:
-    """A flag's help: the field's own words (its metadata's "help"), if any, and its default."""
-    doc = field.metadata.get("help")
-    return f"{doc}; default: {field.default}" if doc else f"default: {field.default}"
+    """A flag's help: the field's own words (its metadata's "help"), and its default where it has one (the
+    words say what an unset flag means; a switch is off unless given)."""
+    doc = field.metadata["help"]
+    return doc if field.default is None or isinstance(field.default, bool) else f"{doc}; default: {field.default}"
 
 
 def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
@@ -68,7 +71,8 @@ def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     parser = _parser()
     args = vars(parser.parse_args(argv))
-    explicit = set(vars(_parser(defaults=False).parse_args(argv))) & fields
+    given = vars(_parser(defaults=False).parse_args(argv))  # what the command line itself sets
+    explicit = set(given) & fields
     path = args["config"]
     if path is None and args["resume"]:
         saved = os.path.join(args["out_dir"], config_file.SAVED)
@@ -77,6 +81,10 @@ def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
             print(f"dflash: --resume: using the settings saved in {saved}", file=sys.stderr)
     if path is not None:
         from_file = config_file.load(path)
+        for name in sorted(set(from_file) & set(given)):
+            if given[name] != from_file[name]:
+                log.info("dflash: --%s %s on the command line overrides %s = %s from %s", name.replace("_", "-"),
+                         given[name], name, from_file[name], path)
         parser.set_defaults(**from_file)
         args = vars(parser.parse_args(argv))
         explicit |= set(from_file) & fields
@@ -85,13 +93,13 @@ def parse_flags(argv: list[str] | None) -> tuple[dict, set[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     try:
         args, explicit = parse_flags(argv)
     except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     as_json, debug, preset = args.pop("json"), args.pop("debug"), args.pop("preset")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: a stuck run explains itself
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:

@@ -30,7 +30,7 @@ from .run.metrics import MetricsLogger, TrainingLog
 from .run.placement import available_devices
 from .policy import ExecutionPolicy
 from .drafter.replica import DrafterReplica, SharedDrafterWeights
-from .run.schedule import Schedule
+from .run.schedule import Schedule, check_step_size
 from .drafter.step import METRIC_NAMES
 from .target import SharedTargets, TargetModel, TargetSource
 from .export.init_from import PublishedDrafter, read_published
@@ -66,6 +66,10 @@ def resolve_inputs(config: TrainConfig) -> tuple[str, str, Optional[str], Option
         log.warning("dflash: %s", RANDOM_WEIGHTS_WARNING)
         return str(built.dir), config.data or str(assets.train_jsonl), str(assets.eval_jsonl), built.report
     if config.target is None:
+        if config.data is not None:  # the embedded tiny target trained on someone else's data: no use to anyone
+            raise InputError("--data needs --target: the data should be the responses of the model the drafter is "
+                             "for; pass --target DIR, that model (without --target the run trains for the embedded "
+                             "tiny default target)")
         from .assets.assets import default_assets
 
         assets = default_assets()
@@ -105,6 +109,7 @@ class Pipeline:
         target_dir, train_jsonl, eval_jsonl, report = resolve_inputs(config)
         source = TargetSource(target_dir, config.num_feature_layers, policy.target_dtype)
         shape = source.shape()
+        check_positions(config, target_dir, shape.config)
         num_params = sum(p.numel() for p in shape.model.parameters())
         sizes.check(config, shape.config, num_params, policy.target_dtype, devices)
         data = read_cached(train_jsonl, tokenizer=shape.tokenizer, seq_len=config.seq_len, vocab_size=shape.vocab_size,
@@ -119,6 +124,7 @@ class Pipeline:
             log.info("dflash: %d samples of --data held out for evaluation (a fixed split; --eval-data FILE "
                      "replaces it), %d left to train on", len(held_out), len(data))
         rank, world = distributed.rank_and_world()
+        check_step_size(config, len(data), world)
         # The data order follows from the config's seed, batch size, targets and drafters, and from
         # these two: a checkpoint is only resumed with the same.
         checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", config,
@@ -188,6 +194,17 @@ class Pipeline:
                            tokens_per_step=cfg.batch_size * cfg.seq_len * cfg.drafters * cfg.grad_accum * self.world,
                            lr_at=lambda step: cfg.lr * self.schedule.lr_factor(step), base_lr=cfg.lr,
                            checkpoint_dir=self.checkpointer.directory, metrics=metrics, progress=progress)
+
+
+def check_positions(config: TrainConfig, target_dir: str, model_config) -> None:
+    """Refuse a ``--seq-len`` beyond the positions the target was trained for (its config's
+    max_position_embeddings): its features there are no guide for a drafter (``--preset paper`` asks
+    for 3072)."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and not isinstance(positions, bool) and config.seq_len > positions:
+        raise InputError(f"--seq-len {config.seq_len} exceeds the {positions} positions of the target {target_dir} "
+                         f"(max_position_embeddings in its config.json); pass --seq-len {positions} or less (a flag "
+                         f"given beside --preset wins over the preset's value)")
 
 
 def _published_drafter(config: TrainConfig, shape: TargetModel) -> PublishedDrafter:

@@ -27,7 +27,7 @@ from .routing import GradientAverager, Handoff
 from .run.control import Interrupted, RunControl
 from .run.result import RunResult, WorkerResult
 from .run.startup import StartupMonitor, past_startup
-from .run.tensorboard import TensorBoardLog
+from .run.tensorboard import TensorBoardLog, check_directory
 from .run.warmers import CompileWarmers, WarmerWait, cache_counts
 from .workers import DrafterWorker, TargetWorker
 
@@ -36,8 +36,11 @@ log = logging.getLogger("dflash")
 
 def train(config: TrainConfig, progress: Optional[Callable[[dict], None]] = None) -> RunResult:
     with RunControl() as control:  # from the start: a stop during setup ends the run at once
-        lock = outdir.prepare(config, leader=distributed.rank_env() == 0)
+        leader = distributed.rank_env() == 0
+        lock = outdir.prepare(config, leader=leader)
         try:
+            if leader and config.tensorboard:  # the leader writes the events: refused before anything is built
+                check_directory(config.tensorboard)
             return _train(config, progress, control)
         finally:
             if lock is not None:

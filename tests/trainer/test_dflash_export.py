@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -213,8 +214,6 @@ def test_the_exporter_refuses_what_resume_refuses_with_one_line_and_exit_2(rando
     assert main(["--checkpoint", str(step), "--format", "zlab", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: checkpoint"), err
-    import re
-
     assert re.search(says, err[0]), err
     assert not (tmp_path / "out").exists()
 
@@ -269,3 +268,42 @@ def test_a_target_shape_run_exports_against_its_shape_without_target(random_run,
     out, _ = export(saved, "zlab", tmp_path / "out")
     assert asked == [("tiny", "embedded")]
     assert json.loads((out / "config.json").read_text())["num_target_layers"] == 8
+
+
+def test_verifier_names_the_speculators_verifier_and_the_printed_commands_use_the_runs_block_size(
+        random_run, tmp_path, capsys):
+    run, target, _ = random_run
+    step = make_checkpoint(tmp_path / "ckpt16", target, saved_target=str(target), block_size=16)[0]
+    assert main(["--checkpoint", str(step), "--format", "speculators", "--out", str(tmp_path / "spec"),
+                 "--verifier", "Qwen/Qwen3-8B"]) == 0
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+    assert f"vllm serve {tmp_path / 'spec'}" in capsys.readouterr().out
+    assert main(["--checkpoint", str(step), "--format", "zlab", "--out", str(tmp_path / "zlab"),
+                 "--verifier", "Qwen/Qwen3-8B"]) == 0
+    said = capsys.readouterr().out
+    assert "block size 16: 15 draft tokens a step" in said
+    assert (f'vllm serve Qwen/Qwen3-8B --speculative-config \'{{"method": "dflash", "model": "{tmp_path / "zlab"}", '
+            f'"num_speculative_tokens": 15}}\'') in said
+    assert (f"python -m sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {tmp_path / 'zlab'} --speculative-num-draft-tokens 16") in said
+    assert main(["--checkpoint", str(run), "--format", "zlab", "--out", str(tmp_path / "plain")]) == 0
+    said = capsys.readouterr().out  # without --verifier: the target it trained against, block size 8
+    assert f"--model-path {target} " in said and "--speculative-num-draft-tokens 8" in said
+
+
+def test_export_md_shows_the_commands_the_exporter_prints_for_the_default_block_size():
+    from examples.dflash_trainer.config import TrainConfig
+
+    doc = (Path(__file__).resolve().parents[2] / "examples" / "dflash_trainer" / "EXPORT.md").read_text()
+    block = TrainConfig().block_size
+    said = [int(n) for n in re.findall(r'"num_speculative_tokens": (\d+)', doc)]
+    drafts = [int(n) for n in re.findall(r"--speculative-num-draft-tokens (\d+)", doc)]
+    assert said == [block - 1] and drafts == [block], (said, drafts)
+    for flag in ("--dtype float16", "--dtype bfloat16", "--verifier NAME_OR_PATH"):
+        assert flag in doc, flag
+    from examples.dflash_trainer.export.export import serving_commands
+
+    printed = serving_commands("zlab", Path("drafter-zlab"), block, "Qwen/Qwen3-8B")
+    spec = printed[0].split("--speculative-config ", 1)[1].strip("'")
+    assert spec in doc, spec

@@ -103,13 +103,21 @@ def read_cached(path: str | Path, *, tokenizer: Any, seq_len: int, vocab_size: O
 
 
 def _store(entry: Path, data: TokenData) -> None:
+    """Write the cache entry, best effort: a cache that cannot be written is one warning, never the run's end."""
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         torch.save({"ids": data.ids, "loss_mask": data.loss_mask, "skipped": data.skipped}, tmp)
         os.replace(tmp, entry)
-    except OSError as err:  # a read-only or full cache disk costs the next start a tokenization, not this run
-        log.warning("dflash: could not write the data cache entry %s (%s); the next start tokenizes again "
-                    "(--data-cache DIR elsewhere, or --no-data-cache)", entry, err)
+    # A read-only, missing or full cache disk costs the next start a tokenization, not this run: the path
+    # raises OSError, torch.save its own RuntimeError (its writer's "open file failed", "file write failed").
+    except (OSError, RuntimeError) as err:
+        log.warning("dflash: could not write the data cache entry %s (%s); training goes on, and the next start "
+                    "tokenizes again (--data-cache DIR elsewhere, or --no-data-cache)", entry,
+                    " ".join(str(err).split()))
+        try:
+            tmp.unlink(missing_ok=True)  # what a full disk left half-written
+        except OSError:
+            pass
         return
     log.info("dflash: tokenized data cached in %s", entry)

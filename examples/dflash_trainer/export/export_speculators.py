@@ -42,7 +42,9 @@ def aux_layer_ids(src: Source) -> list[int]:
     return ids
 
 
-def speculators_config(src: Source) -> dict[str, Any]:
+def speculators_config(src: Source, verifier: str | None = None) -> dict[str, Any]:
+    """The config; ``verifier`` (a hub id or path) is what vLLM loads as the target, by default the
+    directory the run trained against."""
     layer = {k: v for k, v in zlab_config(src).items() if k not in _ZLAB_ONLY}
     layer["sliding_window"] = None
     speculative_tokens = src.block_size - 1  # sample_from_anchor=False: the anchor is the bonus token
@@ -65,14 +67,14 @@ def speculators_config(src: Source) -> dict[str, Any]:
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": str(src.target_dir),
+            "verifier": {"name_or_path": verifier or str(src.target_dir),
                          "architectures": list(getattr(src.target_config, "architectures", None) or [])},
         },
     }
 
 
-def write_speculators(src: Source, out: str | Path) -> Path:
-    config = speculators_config(src)  # raises before anything is written
+def write_speculators(src: Source, out: str | Path, verifier: str | None = None) -> Path:
+    config = speculators_config(src, verifier)  # raises before anything is written
     out = fresh_dir(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "model.safetensors"),

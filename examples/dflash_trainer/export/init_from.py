@@ -69,25 +69,50 @@ class PublishedDrafter:
         """The draft body's weights, in float32 (the drafter trains in float32 with autocast)."""
         from safetensors.torch import load_file
 
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise InitFromError(f"--init-from {self.path} holds no *.safetensors weights")
         loaded: dict[str, torch.Tensor] = {}
-        for file in files:
-            loaded.update(load_file(str(file), device="cpu"))
+        for file in weight_files(self.path):
+            try:
+                loaded.update(load_file(str(file), device="cpu"))
+            except Exception as err:  # safetensors' SafetensorError, OSError: damaged after read_published
+                raise _unreadable(self.path, file, err) from None
         skipped = [k for k in loaded if k in _TARGET_OWNED]
         if skipped:
             log.info("dflash: --init-from: not loading %s (the drafter uses the target's own)", ", ".join(skipped))
         return {k: v.float() for k, v in loaded.items() if k not in _TARGET_OWNED}
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files, each one's safetensors header read (not its weights): a truncated
+    or corrupt file is refused here, before any model is loaded, and not in a drafter's setup."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InitFromError(f"--init-from {path} holds no *.safetensors weights")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors' SafetensorError, OSError
+            raise _unreadable(path, file, err) from None
+    return files
+
+
+def _unreadable(path: Path, file: Path, err: Exception) -> InitFromError:
+    size = file.stat().st_size if file.is_file() else 0
+    reason = " ".join(str(err).split()) or type(err).__name__
+    return InitFromError(f"--init-from {path}: {file.name} is not a readable safetensors file ({reason}; {size} "
+                         f"bytes): it is truncated or corrupt; export or download the drafter again")
+
+
 def read_published(path: str | Path) -> PublishedDrafter:
-    """Its format and facts, from its config.json (no weights read)."""
+    """Its format and facts, from its config.json, and its weight files' headers (no weights read)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise InitFromError(f"--init-from {path}: {config_file} is missing; pass a DFlash drafter directory in "
                             f"the z-lab or speculators format")
+    weight_files(path)
     try:
         cfg = json.loads(config_file.read_text())
     except ValueError as err:

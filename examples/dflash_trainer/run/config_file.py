@@ -47,13 +47,22 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         values = parse(path.read_text(encoding="utf-8"))
     except Exception as err:  # tomllib.TOMLDecodeError, yaml.YAMLError, bad UTF-8
         raise ConfigFileError(f"--config {path} is not valid {'TOML' if suffix == '.toml' else 'YAML'} "
-                              f"({type(err).__name__}: {err}); fix the file") from None
+                              f"({type(err).__name__}: {_one_line(err)}); fix the file") from None
     if values is None:  # an empty YAML file
         values = {}
     if not isinstance(values, dict):
         raise ConfigFileError(f"--config {path} must hold a table of flags (key = value), not "
                               f"{type(values).__name__}")
     return _as_fields(values, path)
+
+
+def _one_line(err: Exception) -> str:
+    """A parser's error as one line: YAML's spans several (its context, each position quoted, the problem)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is not None and problem:
+        context = getattr(err, "context", None)
+        return f"{context + ': ' if context else ''}{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(err).split())
 
 
 def _as_fields(values: dict, path: Path) -> dict[str, Any]:

@@ -6,6 +6,23 @@ import dataclasses
 import math
 
 from ..config import TrainConfig
+from ..errors import InputError
+
+
+def check_step_size(config: TrainConfig, num_samples: int, world: int) -> None:
+    """Refuse an accumulation that makes one optimizer step more than a pass over the data: such a run looks
+    like a hang (``--grad-accum 1000000``: thousands of passes before the first step), and trains each
+    sample several times in one step."""
+    round_ = config.batch_size * config.drafters * world  # one micro-batch of every drafter replica
+    per_step = round_ * config.grad_accum
+    if config.grad_accum == 1 or per_step <= num_samples:
+        return
+    most = max(1, num_samples // round_)
+    procs = f" x {world} processes" if world > 1 else ""
+    raise InputError(f"--grad-accum {config.grad_accum} makes one optimizer step take {per_step:,} samples (--batch-size "
+                     f"{config.batch_size} x --drafters {config.drafters} x --grad-accum {config.grad_accum}{procs}), "
+                     f"{per_step / num_samples:,.1f} passes over the {num_samples:,} samples of the data; pass "
+                     f"--grad-accum {most} or less (at most one pass a step), or more data")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,8 @@ tau at every evaluation, and each worker's mean step time over the interval."""
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ..errors import BadInput
@@ -12,6 +14,21 @@ from ..errors import BadInput
 log = logging.getLogger("dflash")
 
 TRAIN_SCALARS = ("loss", "acc", "acc_k1", "grad_norm", "lr", "tokens_per_s")
+
+
+def check_directory(directory: str) -> None:
+    """Refuse a ``--tensorboard DIR`` that is a file or that cannot be created or written, before the run
+    builds anything (it is created here, as SummaryWriter would)."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise BadInput(f"--tensorboard {directory} is a file, not a directory; pass a directory for the events") from None
+    except OSError as err:
+        raise BadInput(f"--tensorboard {directory} cannot be created ({err.strerror or err}); pass a directory you "
+                       f"can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BadInput(f"--tensorboard {directory} is not writable; pass a directory you can write")
 
 
 class TensorBoardLog:
@@ -24,7 +41,11 @@ class TensorBoardLog:
         except ImportError as err:
             raise BadInput(f"--tensorboard needs the tensorboard package ({err}); pip install tensorboard, or drop "
                            f"--tensorboard") from None
-        self.writer = SummaryWriter(log_dir=directory)
+        try:
+            self.writer = SummaryWriter(log_dir=directory)
+        except OSError as err:  # gone or locked since check_directory
+            raise BadInput(f"--tensorboard {directory} cannot be written ({err.strerror or err}); pass a directory "
+                           f"you can write") from None
         self.directory, self._workers = directory, workers
         self._read: dict[str, int] = {}  # step times of each worker already written
         log.info("dflash: TensorBoard events in %s (tensorboard --logdir %s)", directory, directory)
