@@ -215,6 +215,9 @@ def main(argv=None, prog=None) -> int:
         return 0
     env = common.environment()
     rows = []
+    data = {"recorded_by": RECORDED_BY, "env": env, "shape": args.target_shape,
+            "args": {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens}, "rows": rows}
+    path = common.results_dir(args.out_dir) / f"{results_schema.stem(env, THEME)}.json"
     with tempfile.TemporaryDirectory(prefix="regenerate-throughput-") as tmp:
         print(f"building the {args.target_shape} target (cached after the first run)", file=sys.stderr, flush=True)
         target = build_target(args.target_shape)
@@ -223,12 +226,10 @@ def main(argv=None, prog=None) -> int:
             print(f"[{i}/{len(args.cells)}] {decode}, {threads} thread(s) x batch {batch}", file=sys.stderr, flush=True)
             row = common.run_cell([*common.module_command("regenerate_throughput"), "--cell", decode, str(threads),
                                    str(batch), target, str(prompts), str(args.max_new_tokens)], "", args.timeout)
-            row = {"decode": decode, "threads": threads, "batch": batch, **row}
-            rows.append(row)
-            print(f"[{i}/{len(args.cells)}] {describe(row)}", file=sys.stderr, flush=True)
-    data = {"recorded_by": RECORDED_BY, "env": env, "shape": args.target_shape,
-            "args": {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens}, "rows": rows}
-    path = common.results_dir(args.out_dir) / f"{results_schema.stem(env, THEME)}.json"
+            rows.append({"decode": decode, "threads": threads, "batch": batch, **row})
+            print(f"[{i}/{len(args.cells)}] {describe(rows[-1])}", file=sys.stderr, flush=True)
+            if i < len(args.cells):
+                results_schema.write(path, data)  # the cells so far, should the run be stopped
     common.save(path, data)
     return 1 if any("error" in row for row in rows) else 0
 
