@@ -154,8 +154,8 @@ def run_cell(decode: str, threads: int, batch: int, target: str, prompts: str, m
 
 
 def _generate_batch(target: str, prompts: str, max_new: int, batch: int, device: str) -> dict:
-    """transformers' generate_batch(): warmed up on the first batch of prompts (startup), then timed
-    on all of them (steady), one persistent manager."""
+    """transformers' generate_batch() on all the prompts, with its token timestamps: startup until
+    the first batch's rows each had a token, steady from then to the last token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -176,17 +176,23 @@ def _generate_batch(target: str, prompts: str, max_new: int, batch: int, device:
     batching = ContinuousBatchingConfig(num_blocks=batch * (-(-longest // 256) + 1), max_batch_tokens=max(batch, longest),
                                         max_requests_per_batch=batch)
     with torch.inference_mode():
-        model.generate_batch(ids[:batch], generation_config=config, continuous_batching_config=batching,
-                             persistent_manager=True)
-        startup = time.perf_counter() - began
-        steady_began = time.perf_counter()
         out = model.generate_batch(ids, generation_config=config, continuous_batching_config=batching,
-                                   persistent_manager=True)
-        steady_s = time.perf_counter() - steady_began
-    model.destroy_cached_continuous_batching_manager()
-    tokens = sum(len(r.generated_tokens) for r in out.values())
-    return {"records": len(ids), "generated": len(out), "tokens": tokens, "startup_s": startup,
-            "steady_tokens": tokens, "steady_s": steady_s, "steady_tokens_per_s": tokens / steady_s,
+                                   record_timestamps=True)
+    done = [r for r in out.values() if not getattr(r, "error", None) and r.timestamps]
+    if len(done) < len(ids):
+        raise RuntimeError(f"generate_batch answered {len(done)} of {len(ids)} prompts")
+    stamps = sorted(t for r in done for t in r.timestamps)
+    # Steady: from the first token that came after every row of the first batch had one (the manager
+    # warmed up and its batch full) to the last token.
+    firsts = sorted(r.timestamps[0] for r in done)
+    startup_end = firsts[min(batch, len(firsts)) - 1]
+    steady_tokens = sum(1 for t in stamps if t > startup_end)
+    startup = startup_end - began
+    steady_s = stamps[-1] - startup_end
+    tokens = len(stamps)
+    return {"records": len(ids), "generated": len(done), "tokens": tokens, "startup_s": startup,
+            "steady_tokens": steady_tokens, "steady_s": steady_s,
+            "steady_tokens_per_s": steady_tokens / steady_s if steady_s > 0 else None,
             "prompt_tokens": sum(len(i) for i in ids)}
 
 

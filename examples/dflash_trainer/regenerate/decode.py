@@ -6,9 +6,9 @@ Three decoders, one per ``--decode`` choice:
   cache of the thread's own and the decoding step compiled with ``mode="reduce-overhead"``
   (CUDAGraph Trees, which threadgraph makes work in threads), eager on a CPU.
 - ``step``: a decoding loop of our own over a static KV cache whose step (the forward of one token
-  per row and the choice of the next) is one function of fixed shapes; on a GPU it is compiled
-  (Inductor, no Trees) and captured whole with ``threadgraph.capture_step``, so each token of the
-  whole batch is one graph replay; eager on a CPU.
+  per row and the choice of the next) is one function of fixed shapes with no host sync; on a GPU it
+  is captured whole with ``threadgraph.capture_step``, so each token of the whole batch is one
+  graph replay; eager on a CPU.
 - ``continuous``: transformers' continuous batching (``ContinuousBatchingManager``: a paged KV
   cache, finished rows refilled every step, its own CUDA graphs), one manager per request thread.
 
@@ -119,11 +119,11 @@ class GenerateDecoder(Decoder):
                                   "pad_token_id": self.pad_id, "eos_token_id": sorted(self.stops)}
         if not self.sampler.greedy:
             kwargs["logits_processor"] = [RowsLogitsProcessor(self.sampler, indices, tokens.shape[1])]
-        if self.accelerated:
-            self.cache.reset()
-            kwargs[self.cache_keyword] = self.cache
-            kwargs["compile_config"] = self.compile_config
-        with torch.inference_mode():
+        with torch.inference_mode():  # the cache's tensors were made in it: reset them in it too
+            if self.accelerated:
+                self.cache.reset()
+                kwargs[self.cache_keyword] = self.cache
+                kwargs["compile_config"] = self.compile_config
             out = self.model.generate(tokens, attention_mask=mask, **kwargs)
         new = out[:len(batch.rows), tokens.shape[1]:].tolist()
         return [cut(r, self.stops, batch.max_new) for r in new]
@@ -135,26 +135,29 @@ class StepDecoder(Decoder):
     def setup(self) -> None:
         self.cache = self._new_cache()
         self.cache_keyword = cache_keyword(self.model)
+        self.slots = torch.arange(self.max_cache_len, device=self.device)
         step: Callable[..., torch.Tensor] = self._step
         if self.accelerated:
-            step = threadgraph.capture_step(torch.compile(self._step, dynamic=False), warmup_steps=2)
+            step = threadgraph.capture_step(self._step, warmup_steps=2)
         self.step = step
 
-    def _step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_position: torch.Tensor,
+    def _step(self, tokens: torch.Tensor, first: torch.Tensor, positions: torch.Tensor, cache_position: torch.Tensor,
               rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache_position=cache_position,
-                         use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache})
+        # The attention mask as the model's 4-D boolean one (rows, 1, 1, cache): each row sees its own
+        # tokens up to this one. Given whole, transformers builds none, so nothing in the step reads a
+        # value back to the host and the step captures as one graph.
+        seen = (self.slots >= first) & (self.slots <= cache_position)
+        out = self.model(input_ids=tokens, attention_mask=seen[:, None, None, :], position_ids=positions,
+                         cache_position=cache_position, use_cache=True, logits_to_keep=1,
+                         **{self.cache_keyword: self.cache})
         return self.sampler(out.logits[:, -1], rows, steps)
 
     def run(self, batch: Batch) -> list[Generated]:
         rows = self.batch_size  # always: the cache is sized by its first batch
         tokens, prompt_mask, indices = self._left_padded(batch, rows)
         width = tokens.shape[1]
-        # One mask for the whole batch: each row's left padding masked; positions past the current one
-        # are masked by causality.
-        mask = torch.ones((rows, self.max_cache_len), dtype=torch.long, device=self.device)
-        mask[:, :width] = prompt_mask
-        base = prompt_mask.sum(dim=1, keepdim=True)  # each row's first generated position
+        first = (width - prompt_mask.sum(dim=1, keepdim=True))  # each row's first slot (after its left padding)
+        base = width - first  # each row's first generated position
         out = torch.empty((rows, batch.max_new), dtype=torch.long, device=self.device)
         with torch.no_grad():  # not inference_mode: the cache's tensors stay ordinary ones for compile and capture
             self.cache.reset()
@@ -170,7 +173,7 @@ class StepDecoder(Decoder):
                 if done % SYNC_EVERY == 0 and bool(torch.isin(out[:, :done], stops).any(dim=1).all()):
                     break
                 steps.fill_(done)  # on the device: no host-to-device copy, so no sync, per token
-                nxt = self.step(out[:, done - 1:done], mask, base + steps[:, None] - 1, steps[:1] + (width - 1),
+                nxt = self.step(out[:, done - 1:done], first, base + steps[:, None] - 1, steps[:1] + (width - 1),
                                 indices, steps)
                 out[:, done].copy_(nxt)
                 done += 1
