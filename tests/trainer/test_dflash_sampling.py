@@ -39,3 +39,43 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     sampler = Sampler(temperature=1.0, top_p=0.75, seed=1)
     draws = {int(sampler(logits, torch.tensor([r]), torch.tensor([0]))) for r in range(500)}
     assert draws == {0, 1}  # 0.5 alone is below 0.75; with 0.3 the set reaches it
+
+
+def test_grouped_attention_is_sdpas_and_a_padding_row_stays_finite():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from examples.dflash_trainer.regenerate.attention import grouped_attention
+
+    class Module:
+        is_causal, num_key_value_groups, training = True, 2, False
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 5, 8, generator=g), torch.randn(3, 2, 7, 8, generator=g), torch.randn(3, 2, 7, 8, generator=g)
+    mask = torch.rand(3, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    ours, _ = grouped_attention(Module(), q, k, v, mask, scaling=0.3)
+    reference, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.3)
+    assert torch.allclose(ours, reference, atol=1e-5)
+
+
+def test_the_step_decoders_padded_prefill_leaves_no_nan_in_the_cache(tmp_path):
+    """A left-padding token sees only itself: were its row of scores all masked, its output (and the
+    next layer's keys and values there) would be NaN, and every later token of the row with it."""
+    from examples.dflash_trainer.regenerate.decode import Batch, StepDecoder
+    from examples.dflash_trainer.regenerate.sampling import Sampler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    decoder = StepDecoder(model, stops=frozenset(), pad_id=0, sampler=Sampler(), batch_size=2, max_cache_len=16,
+                          device=torch.device("cpu"), accelerated=False)
+    decoder.setup()
+    [short, long] = decoder.run(Batch((0, 1), ((5, 6), (7, 8, 9, 10, 11)), 4))
+    assert all(bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all())
+               for layer in decoder.cache.layers)
+    alone = StepDecoder(model, stops=frozenset(), pad_id=0, sampler=Sampler(), batch_size=1, max_cache_len=16,
+                        device=torch.device("cpu"), accelerated=False)
+    alone.setup()
+    assert alone.run(Batch((0,), ((5, 6),), 4))[0].tokens == short.tokens  # padding changed nothing

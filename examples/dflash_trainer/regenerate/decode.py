@@ -28,6 +28,7 @@ import torch
 
 import threadgraph
 
+from .attention import use_grouped_attention
 from .sampling import RowsLogitsProcessor, Sampler
 
 log = logging.getLogger("dflash")
@@ -133,6 +134,7 @@ class StepDecoder(Decoder):
     """Our own loop over a static KV cache; each token of the batch one captured graph on a GPU."""
 
     def setup(self) -> None:
+        use_grouped_attention(self.model)  # reads the static cache once a step (attention.py)
         self.cache = self._new_cache()
         self.cache_keyword = cache_keyword(self.model)
         self.slots = torch.arange(self.max_cache_len, device=self.device)
@@ -161,9 +163,14 @@ class StepDecoder(Decoder):
         out = torch.empty((rows, batch.max_new), dtype=torch.long, device=self.device)
         with torch.no_grad():  # not inference_mode: the cache's tensors stay ordinary ones for compile and capture
             self.cache.reset()
-            logits = self.model(input_ids=tokens, attention_mask=prompt_mask,
+            # (rows, width, cache): a token sees its row's tokens up to itself; a left-padding token sees
+            # itself only, so no row of scores is all masked (that would put NaN in the cache).
+            positions = torch.arange(width, device=self.device)
+            slots, here = self.slots, positions[:, None]
+            prefill_mask = ((slots >= first[:, :, None]) | (slots == here)) & (slots <= here)
+            logits = self.model(input_ids=tokens, attention_mask=prefill_mask[:, None],
                                 position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0),
-                                cache_position=torch.arange(width, device=self.device), use_cache=True,
+                                cache_position=positions, use_cache=True,
                                 logits_to_keep=1, **{self.cache_keyword: self.cache}).logits[:, -1]
             steps = torch.zeros(rows, dtype=torch.long, device=self.device)
             out[:, 0] = self.sampler(logits, indices, steps)
