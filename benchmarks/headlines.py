@@ -177,6 +177,8 @@ def regenerate_throughput(data: dict) -> list:
                   f"memory-bandwidth bound ({row['bound_tokens_per_s']:,.0f}); startup {row['startup_s']:.0f} s")
         if "above_bound" in row:
             figure += " (ABOVE the bound: a measurement error)"
+        if data.get("notes"):
+            figure += " (see the file's notes)"
         found.append((f"regeneration, {data['shape']} shape, {decode}, {row['threads']} thread(s) x batch "
                       f"{row['batch']}, {where}", figure))
     failed = [f"{r['decode']}:{r['threads']}:{r['batch']}" for r in data["rows"] if "error" in r]

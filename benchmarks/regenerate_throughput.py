@@ -180,7 +180,9 @@ def _generate_batch(target: str, prompts: str, max_new: int, batch: int, device:
                                    record_timestamps=True)
     done = [r for r in out.values() if not getattr(r, "error", None) and r.timestamps]
     if len(done) < len(ids):
-        raise RuntimeError(f"generate_batch answered {len(done)} of {len(ids)} prompts")
+        failed = [r.error for r in out.values() if getattr(r, "error", None)]
+        raise RuntimeError(f"generate_batch answered {len(done)} of {len(ids)} prompts with timed tokens ({len(out)} "
+                           f"results, {len(failed)} with an error{': ' + str(failed[0])[:200] if failed else ''})")
     stamps = sorted(t for r in done for t in r.timestamps)
     # Steady: from the first token that came after every row of the first batch had one (the manager
     # warmed up and its batch full) to the last token.

@@ -22,7 +22,8 @@ from .results_schema import Results, ResultsError
 ROOT = Path(__file__).resolve().parent.parent
 # docs/results.md's other results, in its order: the newest GPU file of each theme per torch release.
 HEADLINE_THEMES = ("conformance", "install-overhead", "fence-matrix", "fence-overhead", "gpu-scenarios",
-                   "replay-dflash", "replay-dflash-gil", "replay-small", "replay-small-gil", "dflash-trainer-startup")
+                   "replay-dflash", "replay-dflash-gil", "replay-small", "replay-small-gil", "dflash-trainer-startup",
+                   "regenerate-throughput")
 EMBEDDED_ORDER = ("default", "tiny-assets", "tiny")  # then the published shapes by size (0.6b, ..., 32b)
 SCALES = 0.9  # N workers on N GPUs "scale" when together they make at least 0.9 x N one worker's steps/s
 
@@ -231,13 +232,27 @@ def measured(folder: Path, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+def regenerate_decoders(folder: Path, prefix: str = "") -> str:
+    """The trainer README's sentence on regeneration's decoders: the newest GPU run's best cell of each."""
+    runs = [r for r in gpu_runs(folder) if r.theme == "regenerate-throughput"]
+    if not runs:
+        return "No GPU run of `python -m benchmarks regenerate-throughput` is committed yet."
+    r = runs[-1]
+    found = headlines.regenerate_throughput(r.data)
+    cells = "; ".join(f"{configuration.split(', ', 2)[2].rsplit(', ', 1)[0]}: {figure}" for configuration, figure in found
+                      if configuration.count(", ") >= 3)
+    return (f"Measured on an {r.env.get('gpu') or r.machine} with torch {r.torch}, the {r.data['shape']} shape, "
+            f"{r.data['args']['prompts']} prompts of {r.data['args']['max_new_tokens']} new tokens ({link(r, prefix)}): "
+            f"{cells}.")
+
+
 # -- the pages ----------------------------------------------------------------------------------------
 
 # Each page, relative to the repository root, and its generated sections with what renders them.
 PAGES = {
     "README.md": (("readme-headlines", readme_headlines),),
     "docs/results.md": (("results-headlines", other_headlines), ("dflash-table", table)),
-    "examples/dflash_trainer/README.md": (("dflash-measured", measured),),
+    "examples/dflash_trainer/README.md": (("dflash-measured", measured), ("regenerate-default", regenerate_decoders)),
 }
 
 

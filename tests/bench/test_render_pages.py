@@ -51,7 +51,8 @@ def _readme(tmp_path):
     (root / "examples" / "dflash_trainer").mkdir(parents=True)
     (root / "README.md").write_text("# x\n\n<!-- readme-headlines:begin -->\n<!-- readme-headlines:end -->\n")
     (root / "examples" / "dflash_trainer" / "README.md").write_text(
-        "# t\n\n<!-- dflash-measured:begin -->\nold\n<!-- dflash-measured:end -->\n")
+        "# t\n\n<!-- dflash-measured:begin -->\nold\n<!-- dflash-measured:end -->\n"
+        "<!-- regenerate-default:begin -->\nold\n<!-- regenerate-default:end -->\n")
     path = root / "docs" / "results.md"
     path.write_text("# x\n\nbefore\n\n<!-- dflash-table:begin -->\nold\n<!-- dflash-table:end -->\n\n"
                     "<!-- results-headlines:begin -->\n<!-- results-headlines:end -->\n\nafter\n")

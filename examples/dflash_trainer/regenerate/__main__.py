@@ -3,10 +3,10 @@ the target's own responses to a prompt set, the data a DFlash drafter learns fro
 
 Request threads (threadgraph ``CompiledWorkerThread``s) share one copy of the target per device and
 each decodes a batch of prompts at once (``--batch-size``, prompts of similar length together).
-``--decode`` picks how (regenerate/decode.py): ``step`` (the default on a GPU: a static-KV-cache
-decoding step captured whole as one CUDA graph per token for the whole batch), ``generate``
-(transformers' ``generate()``, compiled with ``reduce-overhead`` on a GPU; the default on a CPU,
-eager there) or ``continuous`` (transformers' continuous batching, greedy only). Greedy by default;
+``--decode`` picks how (regenerate/decode.py): ``generate`` (the default: transformers' ``generate()``,
+compiled with ``reduce-overhead`` on a GPU, eager on a CPU), ``step`` (a static-KV-cache decoding step
+captured whole as one CUDA graph per token for the whole batch) or ``continuous`` (transformers'
+continuous batching, greedy only); the trainer's README gives each one's measured speed. Greedy by default;
 sampled with ``--temperature``, reproducibly per record with ``--seed`` whatever thread or batch
 took it. Reasoning kept as the target writes it, or dropped (``enable_thinking=False`` for templates
 that know it, and any ``<think>`` block cut from the response).
@@ -40,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts each thread decodes at once; default: 64 on a GPU, 8 on a CPU")
     p.add_argument("--decode", choices=("auto", *DECODERS), default="auto",
-                   help="how a batch is decoded: step (a captured static-cache step), generate (transformers' "
-                        "generate, reduce-overhead on a GPU) or continuous (transformers' continuous batching); "
-                        "auto: step on a GPU, generate (eager) on a CPU")
+                   help="how a batch is decoded: generate (transformers' generate, reduce-overhead on a GPU, eager "
+                        "on a CPU), step (a captured static-cache step) or continuous (transformers' continuous "
+                        "batching); auto (default): generate, the fastest measured")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens of a response; default: 256")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature; default: 1.0")
