@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 from examples.dflash_trainer.config import TrainConfig
 from examples.dflash_trainer.drafter.replica import DrafterReplica
 from examples.dflash_trainer.target_stage import TargetStage
@@ -15,11 +14,6 @@ from examples.dflash_trainer.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    return default_assets(tmp_path_factory.mktemp("assets"), spec=BuildSpec.tiny())
 
 
 def tiny_config(assets, out_dir):

@@ -11,7 +11,6 @@ from tests.library.gate_sim import fresh_gate
 from threadgraph import GateTimeout
 from threadgraph._patches.capture_lock import CaptureLock
 from threadgraph._patches.gate_wrappers import exclusive
-from tests.helpers.threads import until
 
 
 def _threads(*targets):
@@ -42,14 +41,14 @@ def _worker_meets_the_lock_held_by_a_warmup(lock, gate):
     def warmup():
         with lock:
             in_lock.set()
-            in_step.wait(30)
+            assert in_step.wait(30), "the worker never began its step"
             with gate.exclusive():
                 seen["warmup"] = "ran"
 
     def worker():
         with gate.shared():
             in_step.set()
-            in_lock.wait(30)
+            assert in_lock.wait(30), "the warm-up never took the lock"
             with lock:
                 seen["worker_holds_slot_in_lock"] = gate.holds_shared()
             seen["worker_slot_back"] = gate.holds_shared()
@@ -71,11 +70,31 @@ def test_with_upstreams_plain_lock_the_warmup_never_gets_the_device():
     assert "exclusive use" in str(errors["warmup"]) and "warmup" not in seen
 
 
+class _ObservedLock:
+    """The lock under a CaptureLock, which tells when another thread comes to wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.wanted = threading.Event()  # set by an acquire that finds the lock held
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.locked():
+            self.wanted.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
 def _setup_while_a_warmup_holds_the_lock(lock_first, monkeypatch):
     """A manager set-up (wrapped like gate_manager_init; upstream's __init__ takes the lock inside)
     starts while a warm-up holds the lock; the warm-up then wants the device."""
     gate = fresh_gate("capture-lock-", timeout=1)
-    lock = CaptureLock(threading.Lock())
+    inner = _ObservedLock()
+    lock = CaptureLock(inner)
     trees = importlib.import_module("torch._inductor.cudagraph_trees")
     monkeypatch.setattr(trees, "graph_capture_lock", lock, raising=False)
     index = int(gate.device.split(":")[1])
@@ -87,17 +106,15 @@ def _setup_while_a_warmup_holds_the_lock(lock_first, monkeypatch):
             setup_done.set()
 
     def setup():
-        in_lock.wait(30)
+        assert in_lock.wait(30), "the warm-up never took the lock"
         exclusive(None, capture_lock_first=lock_first)(upstream_init, None, (index,), {})
 
     def warmup():
         with lock:
             in_lock.set()
-            # give the set-up every chance to take the device first (it does when the gate comes first)
-            try:
-                until(lambda: gate.holders()["exclusive"] is not None, timeout=1)
-            except AssertionError:
-                pass
+            # Once the set-up waits for the lock, it has taken the device first or not at all:
+            # the warm-up wants the device only then.
+            assert inner.wanted.wait(30), "the set-up never came to the lock"
             with gate.exclusive():
                 pass
 

@@ -187,13 +187,24 @@ def test_a_turn_held_too_long_is_given_up_with_a_warning(patches, monkeypatch, c
     monkeypatch.setattr(_first_call, "DEFAULT_TIMEOUT_S", 0.05)
     release, calls, entered = threading.Event(), [], threading.Event()
     compiled = _first_call.in_turn(_slow_first_call(release, calls, entered), key=("test-timeout",), name="slow_fn")
-    first = threading.Thread(target=lambda: pytest.raises(ValueError, compiled, 1), name="holder")
+    outcome = []  # what the holder's call did: an assertion in its thread would only be a warning
+
+    def hold():
+        try:
+            outcome.append(("returned", compiled(1)))
+        except BaseException as exc:  # asserted below, in the test's thread
+            outcome.append(("raised", exc))
+
+    first = threading.Thread(target=hold, name="holder")
     first.start()
     assert entered.wait(10), "the first call never began"
     with caplog.at_level(logging.WARNING, logger="threadgraph"):
         assert compiled(1) == 2  # did not wait for the holder
     release.set()
     first.join(10)
+    assert not first.is_alive()
+    assert len(outcome) == 1 and outcome[0][0] == "raised", outcome
+    assert isinstance(outcome[0][1], ValueError) and str(outcome[0][1]) == "first call failed", outcome
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "holder" in warned[0] and "slow_fn" in warned[0], warned  # who, and which call
 

@@ -14,7 +14,7 @@ from tests.library.gate_sim import COMPILE_LOCK, DeviceThread, Monitor, fresh_ga
 from tests.helpers.threads import until
 
 
-def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
+def run_program(gate, monitor, device_thread, program, fail_at, peers):
     with gate.shared():  # like CompiledWorkerThread.step()
         for i, op in enumerate(program):
             if i == fail_at:
@@ -37,7 +37,7 @@ def run_program(gate, monitor, device_thread, program, fail_at, peers_ready):
                     time.sleep(0.001)
             elif op == "wait_peers":  # a queue wait on other workers
                 with released():
-                    peers_ready.wait(timeout=30)
+                    peers.wait(timeout=30)
 
 
 programs = st.lists(
@@ -57,17 +57,19 @@ def test_random_interleavings_keep_capture_exclusive_and_finish(programs):
     monitor = Monitor()
     device_thread = DeviceThread(gate, monitor)
     try:
-        peers_ready = threading.Barrier(len(programs))
+        peers = _Peers(len(programs))
         results = {}
 
         def worker(index, program, fail_at):
             try:
-                run_program(gate, monitor, device_thread, program, fail_at, _BarrierEvent(peers_ready))
+                run_program(gate, monitor, device_thread, program, fail_at, peers)
                 results[index] = "ok"
             except ValueError:
                 results[index] = "failed as planned"
-            except BaseException as exc:
+            except BaseException as exc:  # a peers' wait that timed out too: asserted below
                 results[index] = exc
+            finally:
+                peers.leave()
 
         threads = [threading.Thread(target=worker, args=(i, p, f)) for i, (p, f) in enumerate(programs)]
         for t in threads:
@@ -84,18 +86,33 @@ def test_random_interleavings_keep_capture_exclusive_and_finish(programs):
         device_thread.close()
 
 
-class _BarrierEvent:
-    """Waits for peers at most once; a broken or timed-out barrier is not an error here
-    (a peer may have failed as planned or finished its program)."""
+class _Peers:
+    """A barrier of the workers whose programs still run: ``wait`` returns once every such worker waits
+    (one that ends its program, as planned or failing as planned, ``leave``s: it is waited for no more).
+    Every worker reaches a wait or its end, so a wait that times out is a deadlock, and fails the test."""
 
-    def __init__(self, barrier):
-        self.barrier = barrier
+    def __init__(self, workers: int) -> None:
+        self._cond = threading.Condition()
+        self._running, self._waiting, self._round = workers, 0, 0
 
-    def wait(self, timeout):
-        try:
-            self.barrier.wait(timeout=min(timeout, 0.5))
-        except threading.BrokenBarrierError:
-            pass
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            round_ = self._round
+            self._waiting += 1
+            self._release_if_all_wait()
+            if not self._cond.wait_for(lambda: self._round != round_, timeout):
+                raise AssertionError(f"a worker waited {timeout} s for its peers: {self._waiting} of "
+                                     f"{self._running} came")
+
+    def leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._release_if_all_wait()
+
+    def _release_if_all_wait(self) -> None:
+        if self._waiting and self._waiting == self._running:
+            self._waiting, self._round = 0, self._round + 1
+            self._cond.notify_all()
 
 
 def test_exclusive_waits_for_shared_and_blocks_new_shared():

@@ -16,10 +16,14 @@ OVERWRITTEN = "accessing tensor output of CUDAGraphs that has been overwritten b
 
 def test_plain_thread_fails_without_threadgraph_as_upstream_123177_describes():
     result = scenario("plain_thread_bug")
-    if not result["get_obj_asserts"]:
-        assert result["outcome"] == "ran"  # torch 2.13+ initialises TLS lazily
-    else:
+    # Which outcome is right comes from this torch's release, not from the scenario's own report:
+    # 2.1 - 2.12's get_obj asserts in a thread without the TLS, 2.13+ initialises it lazily.
+    asserts = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+    assert result["get_obj_asserts"] is asserts, result  # threadgraph's lazy_tls patch applies exactly there
+    if asserts:
         assert result["outcome"].startswith("AssertionError"), result
+    else:
+        assert result["outcome"] == "ran", result
 
 
 def test_one_worker_trains_and_infers_like_the_main_thread_with_graphs_replaying():
@@ -90,5 +94,7 @@ def test_whole_step_graph_matches_eager_and_approaches_the_floor():
     assert r["losses_allclose_eager"] and r["params_allclose_eager"], r
     assert r["compiled_inner_close_eager"], r  # compiled regions inside the captured step
     assert all(r["shared_one_gpu_allclose"]), r
-    if "per_gpu_allclose" in r:
-        assert all(r["per_gpu_allclose"]), r
+    if torch.cuda.device_count() > 1:  # the scenario compares one whole-step worker per GPU too
+        assert len(r["per_gpu_allclose"]) == torch.cuda.device_count() and all(r["per_gpu_allclose"]), r
+    else:
+        assert "per_gpu_allclose" not in r, r

@@ -83,14 +83,17 @@ def test_without_the_fence_only_rng_draws_and_device_syncs_fail(ops, kind):
     r = scenario("matrix", "--ops", ops, "--kind", kind, "--variant", "unfenced")
     assert r["variant"] == "unfenced" and sum(s["calls"] for s in r["ops_stats"].values()) > 100
     failing = {op: s["first_error"] for op, s in r["ops_stats"].items() if s["errors"]}
+    # Every branch asserts what it expects to see, never over a list that may be empty: the results
+    # files (benchmarks/results/fence-matrix_*) show every cell of each branch doing so.
     if ops in ("rng", "compiled_rng") and GENERATOR_CHECKS:
-        assert all(OFFSET in e for e in failing.values()), failing
-    elif ops in ("rng", "compiled_rng"):
-        assert not failing and r["group_error"] is None and all(r["workers_equal_reference"]), r
+        assert failing and all(OFFSET in e for e in failing.values()), failing
     elif ops == "sync":
-        assert set(failing) <= {"torch.cuda.synchronize"}, failing
-    else:
+        assert set(failing) == {"torch.cuda.synchronize"}, failing
+    else:  # safe on its own, so long as the bystander's work did overlap the captures
+        assert sum(s["during_capture"] for s in r["ops_stats"].values()) > 0, r["ops_stats"]
         assert not failing and r["group_error"] is None, (failing, r["group_error"])
+        if ops in ("rng", "compiled_rng"):
+            assert all(r["workers_equal_reference"]), r
 
 
 @pytest.mark.skipif(not GENERATOR_CHECKS, reason="this torch keeps RNG state per capture: a bystander's draw "

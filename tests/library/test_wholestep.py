@@ -1,5 +1,6 @@
 """CPU tests of capture_step: API, error paths, fallback choice. Capture itself is GPU-only
-(tests/library/test_gpu.py); here torch.cuda's functions are stand-ins and the capture fails like a real one."""
+(tests/library/test_gpu.py); here torch.cuda's functions are stand-ins: the capture fails like a real
+one, or succeeds and its replays are counted (the replay's shape check and input copies)."""
 
 import contextlib
 import logging
@@ -11,6 +12,7 @@ import torch
 
 import threadgraph
 from threadgraph import CaptureError, capture_step
+from tests.helpers.cuda_sim import CudaSim
 
 
 def test_inputs_must_be_tensors():
@@ -80,8 +82,9 @@ HOST_SYNC = "CUDA error: operation not permitted when stream is capturing"
 @pytest.fixture
 def cpu_as_gpu(monkeypatch):
     """torch.cuda's functions as a GPU machine has them, with streams that do nothing and a capture
-    that fails with ``capture.error`` (by default: a host sync inside it)."""
-    capture = types.SimpleNamespace(error=RuntimeError(HOST_SYNC), began=0)
+    that fails with ``capture.error`` (by default: a host sync inside it; None: it succeeds, and
+    ``capture.replays`` counts the graph's replays)."""
+    capture = types.SimpleNamespace(error=RuntimeError(HOST_SYNC), began=0, replays=0)
 
     class Stream:
         def __init__(self, *args, **kwargs):
@@ -94,7 +97,12 @@ def cpu_as_gpu(monkeypatch):
     def graph(*args, **kwargs):
         capture.began += 1
         yield
-        raise capture.error
+        if capture.error is not None:
+            raise capture.error
+
+    class CUDAGraph:  # a capture that succeeds gives one of these; its replays are counted
+        def replay(self):
+            capture.replays += 1
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -102,7 +110,7 @@ def cpu_as_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     return capture
 
@@ -140,6 +148,27 @@ def test_an_optimizer_that_is_not_capturable_is_named_with_its_fix(cpu_as_gpu):
     step()
     with pytest.raises(CaptureError, match="capturable=True"):
         step()
+
+
+def test_replay_copies_inputs_of_the_captured_shape_and_rejects_any_other_on_the_cpu(cpu_as_gpu):
+    """test_replay_rejects_a_new_shape's logic with stand-ins: inputs that say they are on cuda:0, a
+    capture that succeeds, a graph whose replays are counted."""
+    sim = CudaSim()
+    cpu_as_gpu.error = None
+    step = capture_step(lambda x, n: x * 2, warmup_steps=1)
+    x, n = sim.tensor(torch.ones(2, 3)), sim.tensor(torch.zeros(2, dtype=torch.long))
+    step(x, n), step(x, n)  # the warmup, then the capture and its first replay
+    assert step.captured and cpu_as_gpu.began == 1 and cpu_as_gpu.replays == 1
+    static = step._static_inputs
+    step(sim.tensor(torch.full((2, 3), 5.0)), sim.tensor(torch.tensor([1, 2])))
+    assert cpu_as_gpu.replays == 2 and torch.equal(static[0], torch.full((2, 3), 5.0)) \
+        and torch.equal(static[1], torch.tensor([1, 2]))  # the new values in the captured buffers
+    for bad, says in [((sim.tensor(torch.zeros(4, 3)), n), r"got \(4, 3\) torch.float32, captured \(2, 3\)"),
+                      ((x, sim.tensor(torch.zeros(2))), r"got \(2,\) torch.float32, captured \(2,\) torch.int64"),
+                      ((x,), "captured with 2 inputs, got 1")]:
+        with pytest.raises(CaptureError, match=says):
+            step(*bad)
+    assert cpu_as_gpu.replays == 2 and torch.equal(static[0], torch.full((2, 3), 5.0))  # nothing copied, no replay
 
 
 @pytest.mark.gpu

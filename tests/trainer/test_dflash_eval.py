@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from examples.dflash_trainer.eval import acceptance_length, repeat_last_token
+from examples.dflash_trainer.eval import acceptance_length, dflash_proposer, repeat_last_token
 from examples.dflash_trainer.drafter.model import DFlashDrafter
 from tests.helpers.tiny_run import tiny_target
 
@@ -60,10 +60,33 @@ def test_random_drafter_and_baseline(target, prompts):
                                                target.lm_head, num_layers=1, n=2)
     drafter.train()
     result = acceptance_length(target, drafter, prompts, BS, 8, MASK)
-    assert result["tau"] >= 1 and result["steps"] > 0 and result["tokens"] >= 16
-    assert sum(result["accepted_hist"]) == result["steps"]
     assert drafter.training  # eval put it back the way it was
-    assert acceptance_length(target, repeat_last_token, prompts, BS, 8, MASK)["tau"] >= 1
+    drafter.eval()  # the reference proposes as eval does: dropout off
+    assert result == _reference(target, dflash_proposer(drafter, MASK), prompts, BS, 8)
+    baseline = acceptance_length(target, repeat_last_token, prompts, BS, 8, MASK)
+    assert baseline == _reference(target, repeat_last_token, prompts, BS, 8)
+
+
+def _reference(target, propose, prompts, block_size, max_new_tokens):
+    """What acceptance_length must return, worked out another way: the tokens are the target's greedy
+    continuation (speculative decoding changes how many calls make them, never which), so a step's
+    accepted count is how far its draft agrees with that continuation; no KV cache, no stop tokens."""
+    hist, tokens = [0] * block_size, 0
+    for prompt in prompts:
+        greedy = _greedy(target, prompt, max_new_tokens + block_size)
+        seq, produced = torch.cat([prompt, greedy[:1]]), 1
+        while produced < max_new_tokens:
+            draft = propose(seq, target.features(seq[None, :-1])[0], block_size)
+            ahead = greedy[produced:produced + block_size - 1]
+            accepted = int((draft == ahead).long().cumprod(0).sum())
+            hist[accepted] += 1
+            seq = torch.cat([seq, greedy[produced:produced + accepted + 1]])
+            produced += accepted + 1
+        tokens += produced
+    steps = sum(hist)
+    assert steps > 0
+    return {"tau": sum((j + 1) * c for j, c in enumerate(hist)) / steps, "steps": steps, "tokens": tokens,
+            "accepted_hist": hist}
 
 
 def test_stop_token_ends_the_prompt(target, prompts):

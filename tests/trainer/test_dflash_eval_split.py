@@ -72,4 +72,9 @@ def test_tau_says_how_many_prompts_and_tokens_it_rests_on(tiny_assets, tmp_path)
     parts = Pipeline.build(tiny_config(tiny_assets, tmp_path, eval_every=4, eval_prompts=2, eval_max_new_tokens=8,
                                        block_size=16, seq_len=64))
     result = parts.evaluator(torch.device("cpu"))(parts.replica(torch.device("cpu")).drafter)
-    assert result["prompts"] == 2 and result["tokens"] >= 2 * 8 and result["tau"] >= 1.0
+    assert result["prompts"] == 2 and result["steps"] == sum(result["accepted_hist"]) > 0
+    made = sum((j + 1) * c for j, c in enumerate(result["accepted_hist"]))  # each step: its accepted tokens + 1
+    assert result["tau"] == made / result["steps"]
+    # each prompt: its prefill's token, then its steps' tokens, up to 8 or a few past (the last block
+    # is verified whole); no stop token came up in these prompts
+    assert result["tokens"] == 2 + made and 2 * 8 <= result["tokens"] < 2 * (8 + 16)

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,33 +154,77 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tiny_as
 
 
 SLOW_SETUP = textwrap.dedent("""
-    import pathlib, sys, time
+    import pathlib, sys, threading, time
+    import threadgraph
     from examples.dflash_trainer import target, __main__ as cli
+    def say(line):  # to the test, which reads stderr as it comes
+        print(line, file=sys.stderr, flush=True)
     def load(self, device):  # a target that takes a minute to load
-        pathlib.Path(sys.argv[1]).touch()
+        say("test: a worker loads its target")
         time.sleep(60)
-        pathlib.Path(sys.argv[1] + ".done").touch()  # only if the process waited for the whole load
+        pathlib.Path(sys.argv[1]).touch()  # only if the process waited for the whole load
     target.TargetSource.load = load
+    plain_join, said = threading.Thread.join, []
+    def join(self, timeout=None):  # inside WorkerGroup.join's wait, where a signal stops the workers
+        if not said and isinstance(self, threadgraph.CompiledWorkerThread) \
+                and threading.current_thread() is threading.main_thread():
+            said.append(True)
+            say("test: the main thread waits on the workers")
+        return plain_join(self, timeout)
+    threading.Thread.join = join
     sys.exit(cli.main(sys.argv[2:]))
 """)
+
+
+class _Lines:
+    """A process's stderr read line by line as it comes, in a thread; ``wait_for`` a line."""
+
+    def __init__(self, stream) -> None:
+        self.lines, self._cond = [], threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append(None)  # the end of the stream
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 120) -> None:
+        def seen():
+            return self.lines[-1:] == [None] or sum(text in line for line in self.lines if line) >= count
+        with self._cond:
+            assert self._cond.wait_for(seen, timeout), f"no {text!r} in {timeout} s"
+            assert sum(text in line for line in self.lines if line) >= count, \
+                f"the process ended before {count} {text!r}:\n" + "\n".join(filter(None, self.lines[-40:]))
+
+    def all(self) -> str:
+        self._thread.join(120)
+        return "\n".join(filter(None, self.lines))
 
 
 def test_a_second_signal_during_a_slow_setup_stops_without_waiting(tiny_assets, tmp_path):
     out = tmp_path / "run"
     args = tiny_cli(tiny_assets, out, "--max-steps", "2")
-    loading = tmp_path / "loading"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SETUP, str(loading), *args], cwd=ROOT, stdout=subprocess.PIPE,
+    loaded = tmp_path / "loaded"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SETUP, str(loaded), *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not loading.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)  # polling for the marker the load writes
-    assert loading.exists(), proc.communicate(timeout=5)[1][-3000:] if proc.poll() is not None else "no load began"
-    time.sleep(1)  # the main thread waits on the workers by now (a signal while it starts them stops at once)
+    stderr = _Lines(proc.stderr)
+    # The first signal once a worker is inside its load and the main thread waits on the workers (a
+    # signal while it starts them stops at once); the second once the first has been handled and the
+    # process waits for its workers to stop, saying that another signal stops the wait.
+    stderr.wait_for("test: a worker loads its target")
+    stderr.wait_for("test: the main thread waits on the workers")
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    stderr.wait_for("SIGTERM during setup")
+    stderr.wait_for("press Ctrl-C again to stop waiting")
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert not (tmp_path / "loading.done").exists(), "the second signal waited for the minute-long load"
+    proc.wait(120)
+    err = stderr.all()
+    assert not loaded.exists(), "the second signal waited for the minute-long load:\n" + err[-3000:]
     assert proc.returncode == 143, err[-3000:]
     during_setup = [line for line in err.splitlines() if "SIGTERM during setup" in line]
     assert len(during_setup) == 2 and "without waiting" in during_setup[1], err[-3000:]  # the second one forces

@@ -34,11 +34,15 @@ def test_five_targets_three_drafters_train_and_the_loss_drops(tiny_assets, tmp_p
     assert {"wait_batch", "forward_backward", "average", "optimizer", "leader"} == set(result.workers["drafter-0"].phases_p50_ms)
     assert {"prepare", "forward", "hand_off"} == set(result.workers["target-4"].phases_p50_ms)
     drafter = result.workers["drafter-1"]
-    assert 0 < sum(drafter.phases_p50_ms.values()) < 3 * drafter.p90_ms
+    assert sum(drafter.phases_p50_ms.values()) > 0 and min(drafter.phases_p50_ms.values()) >= 0, drafter
     # where the warmup went: its phases' seconds add up to no more than the warmup itself
     assert set(drafter.phases_warmup_s) == set(drafter.phases_p50_ms)
     assert 0 < sum(drafter.phases_warmup_s.values()) <= drafter.warmup_s + 0.05, drafter
-    assert result.eval["tau"] >= 1.0 and "tau_random_init" in result.baseline
+    # twenty steps of training already beat both baselines (tau 1.75 against 1.0 when written)
+    baselines = result.baseline["tau_random_init"], result.baseline["tau_repeat_last_token"]
+    assert result.eval["tau"] > max(baselines), (result.eval, result.baseline)
+    hist = result.eval["accepted_hist"]
+    assert result.eval["tau"] == sum((j + 1) * c for j, c in enumerate(hist)) / result.eval["steps"]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert any("loss" in json.loads(line) for line in lines)
 
@@ -294,13 +298,15 @@ def test_every_replica_holds_the_mean_when_replica_0_moves_on_at_once():
         p.grad.copy_(g)
         flats.append(flat)
     seen = [None] * len(flats)
+    zeroed = threading.Event()
 
     def run(i):
         averager.average(i, flats[i])
         if i == 0:
             flats[0].zero_()
+            zeroed.set()
         else:
-            time.sleep(0.2)
+            assert zeroed.wait(30), "replica 0 never zeroed its buffer"  # the others look only after that
         seen[i] = flats[i].grads.clone()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(flats))]
@@ -309,6 +315,7 @@ def test_every_replica_holds_the_mean_when_replica_0_moves_on_at_once():
     for t in threads:
         t.join(30)
     expected = sum(grads) / len(grads)
+    assert all(got is not None for got in seen), seen  # every thread got through (an assertion there is only a warning)
     assert torch.equal(seen[0], torch.zeros(6))
     for got in seen[1:]:
         assert torch.allclose(got, expected, atol=1e-6), (got, expected)

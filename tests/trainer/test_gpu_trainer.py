@@ -1,7 +1,7 @@
 """GPU tests of the DFlash trainer (and the resume procedure on the CPU): every run is
 ``python -m examples.dflash_trainer ... --json`` in a fresh process (tests/helpers/gpu_process.py), on the
-embedded default assets (``$THREADGRAPH_CACHE`` holds them; a missing cache is built first, a
-minute or two on 16 cores).
+embedded default assets (built once a session into the session's ``$THREADGRAPH_CACHE``, a temporary
+folder: tests/conftest.py).
 
 Tolerances come from H200 runs (torch 2.11, bf16; benchmarks/results/dflash-trainer-modes_*.json):
 the same whole-step run twice differed by at most 0.0017 in a step's loss over 100 steps (GPU
