@@ -335,3 +335,21 @@ def test_misusing_a_group_raises_threadgraph_errors_that_are_also_the_builtin_on
         group.stop()
         release.set()
         group.join(60)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_a_failure_callback_is_not_swallowed_and_the_other_callbacks_still_run():
+    group = WorkerGroup([Stepper("spin")])
+    ran = []
+
+    def interrupted(error):
+        ran.append("first")
+        raise KeyboardInterrupt  # a second Ctrl-C while the group fails
+
+    group.on_failure(interrupted)
+    group.on_failure(lambda error: ran.append("second"))
+    group.start()
+    with pytest.raises(KeyboardInterrupt):
+        group._fail_all(RuntimeError("a worker failed"))
+    assert ran == ["first", "second"]
+    group.join()  # the workers were stopped before the callbacks ran

@@ -264,12 +264,17 @@ class WorkerGroup:
 
     def _fail_all(self, error: BaseException) -> None:
         self.stop()
+        interrupted: Optional[BaseException] = None
         for callback in self._on_failure:
             try:
                 callback(error)
-            except BaseException as exc:  # a broken callback must not keep peers blocked
+            except Exception as exc:  # a broken callback must not keep peers blocked
                 log.error("threadgraph: failure callback %r raised %r", callback, exc)
                 add_note(error, f"failure callback {callback!r} raised {exc!r}")
+            except BaseException as exc:  # Ctrl-C or an exit in a callback: the others run, then it goes on
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
 
 class _Membership:
