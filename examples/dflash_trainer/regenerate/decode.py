@@ -161,7 +161,7 @@ class StepDecoder(Decoder):
         first = (width - prompt_mask.sum(dim=1, keepdim=True))  # each row's first slot (after its left padding)
         base = width - first  # each row's first generated position
         out = torch.empty((rows, batch.max_new), dtype=torch.long, device=self.device)
-        with torch.no_grad():  # not inference_mode: the cache's tensors stay ordinary ones for compile and capture
+        with torch.no_grad():  # not inference_mode: the cache's tensors stay ordinary ones, which capture reuses
             self.cache.reset()
             # (rows, width, cache): a token sees its row's tokens up to itself; a left-padding token sees
             # itself only, so no row of scores is all masked (that would put NaN in the cache).
