@@ -160,7 +160,7 @@ def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: O
     began = time.perf_counter()
     config = Settings(**settings)
     prompts = read_prompts(data)
-    output = Output(out, prompts)
+    output = Output(out, prompts, data)
     try:
         return _run(TargetModel, target, prompts, output, config, threads, devices, progress, began, out)
     finally:
