@@ -317,3 +317,12 @@ def test_the_summary_counts_the_records_in_the_file_and_the_prompts(tiny_assets,
     said = capsys.readouterr().out
     assert code == 0 and len(_records(out)) == 1
     assert said.startswith(f"regenerate: 1 records in {out} for 2 prompts (0 there before, 1 generated now, "), said
+
+
+def test_a_prompt_near_the_targets_positions_cuts_no_other_rows_response():
+    # 512 positions, 8 new tokens: prompts of 5 and 6 tokens may take 8, ones of 508 and 510 only 4 and 2
+    lengths = {0: 5, 1: 510, 2: 6, 3: 508}
+    got = list(regen.batches([0, 1, 2, 3], lengths, batch_size=4, window=16, positions=512, max_new_tokens=8))
+    assert sorted(i for b in got for i in b.rows) == [0, 1, 2, 3]
+    assert all(b.max_new == min(8, 512 - lengths[i]) for b in got for i in b.rows)
+    assert [b.rows for b in got] == [(0, 2), (3,), (1,)]
