@@ -326,3 +326,23 @@ def test_a_prompt_near_the_targets_positions_cuts_no_other_rows_response():
     assert sorted(i for b in got for i in b.rows) == [0, 1, 2, 3]
     assert all(b.max_new == min(8, 512 - lengths[i]) for b in got for i in b.rows)
     assert [b.rows for b in got] == [(0, 2), (3,), (1,)]
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once_with_exit_130(tiny_assets, tmp_path):
+    prompts, out = _prompts(tmp_path / "p.jsonl"), tmp_path / "out.jsonl"
+    argv = ["--target", str(tiny_assets.target_dir), "--data", str(prompts), "--out", str(out), "--threads", "2",
+            "--batch-size", "2", "--max-new-tokens", "300", "--devices", "cpu", "--no-progress"]  # windows of 16
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    proc = subprocess.Popen([sys.executable, "-m", "examples.dflash_trainer.regenerate", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not _complete_lines(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a file another process writes
+    proc.send_signal(signal.SIGINT)  # mid-run (the first window's records): the threads finish their batches...
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)  # ...unless a second Ctrl-C stops the wait: then the run ends at once
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (f"stopped: the records generated so far are in {out}; run the same "
+                                               f"command again to continue")

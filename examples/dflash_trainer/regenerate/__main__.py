@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
+import threading
 from typing import Optional
 
 from ..errors import InputError, report_failure
 from .decode import DECODERS
-from .run import regenerate
+from .run import RequestWorker, regenerate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +114,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"stopped: the records generated so far are in {args.out}; run the same command again to continue",
               file=sys.stderr)
+        if any(isinstance(t, RequestWorker) for t in threading.enumerate()):  # not is_alive(): an interrupted
+            # join can leave a running thread reporting itself stopped. A second Ctrl-C left request threads
+            # running: the interpreter's exit would stop them mid-step (torch aborts the process then). End
+            # now: each record written is whole and on disk (a torn last one is cut by the next run).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     except Exception as err:
         return report_failure(err, "; the records written so far are kept: run the same command again to continue",
