@@ -91,6 +91,7 @@ def test_a_killed_run_continues_with_no_record_lost_or_repeated(tiny_assets, tmp
     (b'{"prompt": "a"}\n{"text": "b"}\n', r"p.jsonl:2: no 'prompt' string or 'messages' list \(keys \['text'\]\)"),
     (b'{"messages": [{"role": "assistant", "content": "x"}]}\n', r"holds no turn before the one to generate"),
     (b'{"prompt": "a"}\n{"prompt": "\xff"}\n', r"is not UTF-8 text \(line 2, byte 28 of the file\)"),
+    (b'{"prompt": "a"}\n{"prompt": "x\\ud800y"}\n', r"p.jsonl:2: holds a lone surrogate escape"),
 ])
 def test_a_prompt_file_it_cannot_use_is_one_line_and_exit_2(tiny_assets, tmp_path, capsys, content, said):
     path = tmp_path / ("nowhere.jsonl" if content is None else "p.jsonl")
@@ -265,9 +266,83 @@ def test_an_unwritable_out_is_exit_2_naming_out(tiny_assets, tmp_path, capsys):
 @pytest.mark.parametrize("argv, said", [
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--decode", "continuous", "--temperature", "0.7"], "--decode continuous is greedy only"),
+    (["--temperature", "inf"], "--temperature must be 0 (greedy) or a finite number above, got inf"),
+    (["--devices", "gpu"], "--devices 'gpu': 'gpu' is not a cpu or cuda device; pass e.g. cuda:0,cuda:1 or cpu"),
+    (["--devices", "cpu,"], "--devices 'cpu,': '' is not a cpu or cuda device"),
+    (["--devices", "cuda:99"], "--devices 'cuda:99': cuda:99 is not here"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tiny_assets, tmp_path, capsys, argv, said):
     code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
                      "--out", str(tmp_path / "o.jsonl"), "--devices", "cpu", "--no-progress", *argv])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == EXIT_BAD_INPUT and said in last, last
+
+
+def test_a_byte_order_mark_before_the_first_prompt_is_not_part_of_it(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [p.messages[0]["content"] for p in read_prompts(path)] == ["a", "b"]
+
+
+def test_an_out_that_is_the_prompt_file_is_refused_and_left_as_it_was(tiny_assets, tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "the only prompt"}')  # one line, no newline: it once was cut away as a torn record
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(path), "--out", str(path),
+                     "--devices", "cpu", "--no-progress"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_BAD_INPUT and re.fullmatch(r"error: --out .*p\.jsonl is the --data prompt file; pass another "
+                                                   r"--out", last), last
+    assert path.read_bytes() == b'{"prompt": "the only prompt"}'
+
+
+def test_an_out_ending_in_a_line_no_run_wrote_is_refused_not_cut(tiny_assets, tmp_path, capsys):
+    out = tmp_path / "settings.json"
+    out.write_bytes(b'{"a": 1}')  # a file of something else, one line with no newline
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(_prompts(tmp_path / "p.jsonl", 2)),
+                     "--out", str(out), "--devices", "cpu", "--no-progress"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_BAD_INPUT and "ends in a line that is not a record this command writes" in last, last
+    assert out.read_bytes() == b'{"a": 1}'
+
+
+def test_the_summary_counts_the_records_in_the_file_and_the_prompts(tiny_assets, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    positions = AutoConfig.from_pretrained(str(tiny_assets.target_dir)).max_position_embeddings
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "import os"}, {"prompt": "x " * (positions + 10)}]))
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["--target", str(tiny_assets.target_dir), "--data", str(path), "--out", str(out), "--devices",
+                     "cpu", "--no-progress", "--max-new-tokens", "4"])
+    said = capsys.readouterr().out
+    assert code == 0 and len(_records(out)) == 1
+    assert said.startswith(f"regenerate: 1 records in {out} for 2 prompts (0 there before, 1 generated now, "), said
+
+
+def test_a_prompt_near_the_targets_positions_cuts_no_other_rows_response():
+    # 512 positions, 8 new tokens: prompts of 5 and 6 tokens may take 8, ones of 508 and 510 only 4 and 2
+    lengths = {0: 5, 1: 510, 2: 6, 3: 508}
+    got = list(regen.batches([0, 1, 2, 3], lengths, batch_size=4, window=16, positions=512, max_new_tokens=8))
+    assert sorted(i for b in got for i in b.rows) == [0, 1, 2, 3]
+    assert all(b.max_new == min(8, 512 - lengths[i]) for b in got for i in b.rows)
+    assert [b.rows for b in got] == [(0, 2), (3,), (1,)]
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once_with_exit_130(tiny_assets, tmp_path):
+    prompts, out = _prompts(tmp_path / "p.jsonl"), tmp_path / "out.jsonl"
+    argv = ["--target", str(tiny_assets.target_dir), "--data", str(prompts), "--out", str(out), "--threads", "2",
+            "--batch-size", "2", "--max-new-tokens", "300", "--devices", "cpu", "--no-progress"]  # windows of 16
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    proc = subprocess.Popen([sys.executable, "-m", "examples.dflash_trainer.regenerate", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not _complete_lines(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a file another process writes
+    proc.send_signal(signal.SIGINT)  # mid-run (the first window's records): the threads finish their batches...
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)  # ...unless a second Ctrl-C stops the wait: then the run ends at once
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (f"stopped: the records generated so far are in {out}; run the same "
+                                               f"command again to continue")

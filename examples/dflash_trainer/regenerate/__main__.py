@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
+import threading
 from typing import Optional
 
 from ..errors import InputError, report_failure
 from .decode import DECODERS
-from .run import regenerate
+from .run import RequestWorker, regenerate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,8 +67,8 @@ def _checked(args: argparse.Namespace) -> None:
         raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise InputError(f"--temperature must be 0 (greedy) or above, got {args.temperature}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise InputError(f"--temperature must be 0 (greedy) or a finite number above, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.decode == "continuous" and args.temperature > 0:
@@ -73,12 +76,33 @@ def _checked(args: argparse.Namespace) -> None:
                          "use --decode step or generate with --temperature")
 
 
+def _devices(spec: Optional[str]) -> Optional[list[str]]:
+    """``--devices`` as a list, each one a device this machine has; None: the default."""
+    if not spec:
+        return None
+    import torch
+
+    devices = [d.strip() for d in spec.split(",")]
+    for d in devices:
+        try:
+            device = torch.device(d)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise InputError(f"--devices {spec!r}: {d!r} is not a cpu or cuda device; pass e.g. cuda:0,cuda:1 or cpu")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            have = torch.cuda.device_count()
+            raise InputError(f"--devices {spec!r}: {d} is not here ({have or 'no'} CUDA GPU(s) visible); pass "
+                             + (f"cuda:0 to cuda:{have - 1} or cpu" if have else "cpu"))
+    return devices
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
     try:
         _checked(args)
+        devices = _devices(args.devices)
         import torch
 
         on_cuda = all(d.startswith("cuda") for d in devices) if devices else torch.cuda.is_available()
@@ -90,11 +114,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"stopped: the records generated so far are in {args.out}; run the same command again to continue",
               file=sys.stderr)
+        if any(isinstance(t, RequestWorker) for t in threading.enumerate()):  # not is_alive(): an interrupted
+            # join can leave a running thread reporting itself stopped. A second Ctrl-C left request threads
+            # running: the interpreter's exit would stop them mid-step (torch aborts the process then). End
+            # now: each record written is whole and on disk (a torn last one is cut by the next run).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     except Exception as err:
         return report_failure(err, "; the records written so far are kept: run the same command again to continue",
                               args.debug)
-    print(f"regenerate: {counts['records']} records in {args.out} ({counts['before']} there before, "
+    print(f"regenerate: {counts['before'] + counts['generated']} records in {args.out} for {counts['records']} "
+          f"prompts ({counts['before']} there before, "
           f"{counts['generated']} generated now, {counts['tokens']} tokens, {counts['truncated']} truncated by "
           f"--max-new-tokens, {counts['skipped']} skipped as longer than the target's positions)")
     return 0

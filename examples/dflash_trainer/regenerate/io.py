@@ -33,6 +33,7 @@ from typing import Optional
 
 from ..errors import BadInput, json_object
 
+RECORD_START = b'{"index": '  # how every output line begins (Prompt.record, json.dumps)
 FORMATS = '{"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}'
 
 
@@ -79,6 +80,8 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
                 raise PromptError(f"prompt file {path} is not UTF-8 text (line {lineno}, byte {offset + err.start} "
                                   f"of the file); pass a JSONL file of {FORMATS}") from None
             offset += len(line)
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")  # a byte order mark some editors write first
             if text.strip():
                 prompts.append(_prompt(text, where, len(prompts)))
     if not prompts:
@@ -88,6 +91,11 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
 
 def _prompt(text: str, where: str, index: int) -> Prompt:
     record = json_object(text, where, PromptError, FORMATS)
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800": not text a tokenizer or the output takes
+        raise PromptError(f"{where}: holds a lone surrogate escape (\\ud800 to \\udfff without its pair), which is not "
+                          f"text; fix or drop that line") from None
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -118,10 +126,13 @@ class Output:
     the records of work in flight wait in memory, and a kill loses only those (the next run
     generates them again)."""
 
-    def __init__(self, path: str | os.PathLike[str], prompts: list[Prompt]) -> None:
+    def __init__(self, path: str | os.PathLike[str], prompts: list[Prompt],
+                 data: Optional[str | os.PathLike[str]] = None) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise OutputError(f"--out {self.path} is a directory; pass a .jsonl file path")
+        if data is not None and self.path.exists() and os.path.samefile(self.path, data):
+            raise OutputError(f"--out {self.path} is the --data prompt file; pass another --out")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")
@@ -167,6 +178,9 @@ class Output:
                 raise PromptError(f"--out {self.path}:{lineno} repeats record {index}; pass a new --out")
             self.done.add(index)
         if keep < len(data):
+            if not RECORD_START.startswith(data[keep:keep + len(RECORD_START)]):
+                raise PromptError(f"--out {self.path} ends in a line that is not a record this command writes (nor "
+                                  f"one a kill cut short); pass a new --out (or delete it to start over)")
             with open(self.path, "r+b") as f:
                 f.truncate(keep)
                 f.flush()

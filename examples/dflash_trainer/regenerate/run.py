@@ -10,6 +10,7 @@ written, so only a window's records ever wait.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -75,12 +76,17 @@ def response_text(tokenizer: Any, ids: list[int], reasoning: str) -> str:
 def batches(pending: list[int], lengths: dict[int, int], batch_size: int, window: int,
             positions: int, max_new_tokens: int) -> Iterator[Batch]:
     """``pending`` indices in windows of ``window``, each sorted by prompt length and cut into
-    batches; a batch may take new tokens up to the target's ``positions``."""
+    batches; a row may take new tokens up to the target's ``positions``, and only rows of one such
+    limit share a batch, so no row is cut shorter by a longer one beside it."""
+    def limit(i: int) -> int:
+        return min(max_new_tokens, positions - lengths[i])
+
     for start in range(0, len(pending), window):
         part = sorted(pending[start:start + window], key=lambda i: (lengths[i], i))
-        for b in range(0, len(part), batch_size):
-            rows = part[b:b + batch_size]
-            yield Batch(tuple(rows), (), min(max_new_tokens, positions - max(lengths[i] for i in rows)))
+        for max_new, same in itertools.groupby(part, key=limit):  # limits fall as lengths rise: runs
+            same = list(same)
+            for b in range(0, len(same), batch_size):
+                yield Batch(tuple(same[b:b + batch_size]), (), max_new)
 
 
 class Progress:
@@ -160,7 +166,7 @@ def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: O
     began = time.perf_counter()
     config = Settings(**settings)
     prompts = read_prompts(data)
-    output = Output(out, prompts)
+    output = Output(out, prompts, data)
     try:
         return _run(TargetModel, target, prompts, output, config, threads, devices, progress, began, out)
     finally:
