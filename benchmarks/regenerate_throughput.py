@@ -158,10 +158,9 @@ def _generate_batch(target: str, prompts: str, max_new: int, batch: int, device:
     the first batch's rows each had a token, steady from then to the last token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
+    from examples.dflash_trainer.regenerate.decode import continuous_batching_config
     from examples.dflash_trainer.regenerate.io import read_prompts
-    from examples.dflash_trainer.regenerate.run import render
+    from examples.dflash_trainer.regenerate.run import render, stop_tokens
 
     began = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
@@ -169,12 +168,11 @@ def _generate_batch(target: str, prompts: str, max_new: int, batch: int, device:
                                                  dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model.to(device)
     ids = [render(tokenizer, p, "keep") for p in read_prompts(prompts)]
-    stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None})
+    stops = sorted(stop_tokens(tokenizer))
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=stops,
                               pad_token_id=tokenizer.pad_token_id)
     longest = max(len(i) for i in ids) + max_new
-    batching = ContinuousBatchingConfig(num_blocks=batch * (-(-longest // 256) + 1), max_batch_tokens=max(batch, longest),
-                                        max_requests_per_batch=batch)
+    batching = continuous_batching_config(batch, longest)
     with torch.inference_mode():
         out = model.generate_batch(ids, generation_config=config, continuous_batching_config=batching,
                                    record_timestamps=True)

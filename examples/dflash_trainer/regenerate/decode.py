@@ -192,18 +192,13 @@ class ContinuousDecoder(Decoder):
 
     def setup(self) -> None:
         from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         if not self.sampler.greedy:
             raise ValueError("continuous batching samples with its own random state: use --decode step or generate "
                              "for sampled records reproducible per --seed")
         config = GenerationConfig(do_sample=False, eos_token_id=sorted(self.stops), pad_token_id=self.pad_id,
                                   max_new_tokens=self.max_cache_len)
-        blocks = 256  # transformers' default page size; the cache holds every row at its longest
-        per_row = -(-self.max_cache_len // blocks) + 1
-        batching = ContinuousBatchingConfig(num_blocks=self.batch_size * per_row,
-                                            max_batch_tokens=max(self.batch_size, self.max_cache_len),
-                                            max_requests_per_batch=self.batch_size)
+        batching = continuous_batching_config(self.batch_size, self.max_cache_len)
         self.manager = self.model.init_continuous_batching(generation_config=config,
                                                            continuous_batching_config=batching)
         if self.accelerated:
@@ -232,6 +227,16 @@ class ContinuousDecoder(Decoder):
         manager = getattr(self, "manager", None)
         if manager is not None:
             manager.stop(block=True)
+
+
+def continuous_batching_config(batch_size: int, max_len: int) -> Any:
+    """transformers' continuous batching sized for ``batch_size`` rows of at most ``max_len`` tokens:
+    a paged cache that holds every row at its longest (pages of transformers' default 256 tokens)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    pages_per_row = -(-max_len // 256) + 1
+    return ContinuousBatchingConfig(num_blocks=batch_size * pages_per_row, max_batch_tokens=max(batch_size, max_len),
+                                    max_requests_per_batch=batch_size)
 
 
 def decoder_class(name: str) -> type[Decoder]:

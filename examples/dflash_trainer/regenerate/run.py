@@ -161,20 +161,20 @@ def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: O
                progress: bool = True, **settings: Any) -> dict:
     """Generate the missing records of ``out``; returns counts (done before, generated now, skipped,
     truncated, total) and timings (startup: until every thread's first batch ended; steady tokens/s after)."""
-    from ..target import TargetModel
-
     began = time.perf_counter()
     config = Settings(**settings)
     prompts = read_prompts(data)
     output = Output(out, prompts, data)
     try:
-        return _run(TargetModel, target, prompts, output, config, threads, devices, progress, began, out)
+        return _run(target, prompts, output, config, threads, devices, progress, began, out)
     finally:
         output.close()
 
 
-def _run(TargetModel: Any, target: str, prompts: list[Prompt], output: Output, config: Settings, threads: int,
+def _run(target: str, prompts: list[Prompt], output: Output, config: Settings, threads: int,
          devices: Optional[list[str]], progress: bool, began: float, out: str) -> dict:
+    from ..target import TargetModel
+
     pending = [p.index for p in prompts if p.index not in output.done]
     counts = {"records": len(prompts), "before": len(output.done), "generated": 0, "tokens": 0, "prompt_tokens": 0,
               "skipped": 0, "truncated": 0}
