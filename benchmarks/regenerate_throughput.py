@@ -8,13 +8,14 @@ Each cell (``decode:threads:batch``) is one ``regenerate()`` over the same promp
 with an empty Inductor cache: ``generate``, ``step`` and ``continuous`` are the command's
 ``--decode`` choices (regenerate/decode.py), ``generate_batch`` is transformers' own
 ``generate_batch()`` alone on the main thread, the call a user would otherwise make. A cell reports
-its startup (load, compile, capture and every thread's first batch) apart from its steady state
-(the batches begun after that), generated tokens/s and prompts/s there, and the memory-bandwidth
+its startup (load, compile, capture and every thread's first decoder call: a batch, or the step
+decoder's first tokens) apart from its steady state (the calls begun after that), generated tokens/s and prompts/s there, and the memory-bandwidth
 bound of its decoding: rows in flight / (weight bytes + the KV-cache bytes of the rows' mean
 context, read once a step) x the bandwidth a device-to-device copy reaches on the machine. A figure
 above its bound is flagged as a measurement error. The target is a random-init Qwen3 of a
 published shape with the real 151,936-token vocabulary (assets/shapes.py): its responses are noise
-and mostly run to ``--max-new-tokens``, which is what a throughput figure wants.
+and mostly run to ``--max-new-tokens``, which is what a throughput figure wants (and so the step
+decoder's refill of rows that ended early plays no part here).
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ def build_target(shape: str) -> str:
 
 
 RECORDED_BY = ("benchmarks/regenerate_throughput.py (python -m benchmarks regenerate-throughput): each row one "
-               "cell in a fresh process with an empty Inductor cache; tokens/s over the batches begun after every "
-               "thread's first batch ended; bound_tokens_per_s = rows_in_flight x copy bandwidth / step_bytes")
+               "cell in a fresh process with an empty Inductor cache; tokens/s over the decoder calls begun after "
+               "every thread's first one ended; bound_tokens_per_s = rows_in_flight x copy bandwidth / step_bytes")
 
 
 def main(argv=None, prog=None) -> int:

@@ -5,10 +5,12 @@ prompt file it cannot use."""
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -331,18 +333,29 @@ def test_a_prompt_near_the_targets_positions_cuts_no_other_rows_response():
 def test_a_second_ctrl_c_ends_the_run_at_once_with_exit_130(tiny_assets, tmp_path):
     prompts, out = _prompts(tmp_path / "p.jsonl"), tmp_path / "out.jsonl"
     argv = ["--target", str(tiny_assets.target_dir), "--data", str(prompts), "--out", str(out), "--threads", "2",
-            "--batch-size", "2", "--max-new-tokens", "300", "--devices", "cpu", "--no-progress"]  # windows of 16
+            "--batch-size", "2", "--max-new-tokens", "400", "--devices", "cpu", "--no-progress"]  # batches of seconds
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     proc = subprocess.Popen([sys.executable, "-m", "examples.dflash_trainer.regenerate", *argv], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: "queue.Queue[str]" = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
     deadline = time.monotonic() + 300
     while not _complete_lines(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)  # polling a file another process writes
-    proc.send_signal(signal.SIGINT)  # mid-run (the first window's records): the threads finish their batches...
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)  # ...unless a second Ctrl-C stops the wait: then the run ends at once
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    proc.send_signal(signal.SIGINT)  # mid-run: the threads are asked to stop and finish their batches...
+    said = []
+    while not any("press Ctrl-C again" in line for line in said):  # ...and the run says it waits for them
+        try:
+            said.append(lines.get(timeout=60))
+        except queue.Empty:
+            pytest.fail(f"no word of waiting for the request threads in 60 s after a Ctrl-C (exit {proc.poll()}): "
+                        + "".join(said)[-2000:])
+    proc.send_signal(signal.SIGINT)  # a second Ctrl-C stops that wait: the run ends at once
+    assert proc.wait(timeout=120) == 130, "".join(said)
+    reader.join(timeout=60)
+    stderr = "".join(said) + "".join(lines.queue)
+    assert "stopped waiting; request" in stderr, stderr[-2000:]  # the second Ctrl-C ended the wait, not the batches
     assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == (f"stopped: the records generated so far are in {out}; run the same "
                                                f"command again to continue")

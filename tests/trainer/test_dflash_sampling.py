@@ -56,26 +56,3 @@ def test_grouped_attention_is_sdpas_and_a_padding_row_stays_finite():
     ours, _ = grouped_attention(Module(), q, k, v, mask, scaling=0.3)
     reference, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.3)
     assert torch.allclose(ours, reference, atol=1e-5)
-
-
-def test_the_step_decoders_padded_prefill_leaves_no_nan_in_the_cache(tmp_path):
-    """A left-padding token sees only itself: were its row of scores all masked, its output (and the
-    next layer's keys and values there) would be NaN, and every later token of the row with it."""
-    from examples.dflash_trainer.regenerate.decode import Batch, StepDecoder
-    from examples.dflash_trainer.regenerate.sampling import Sampler
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    decoder = StepDecoder(model, stops=frozenset(), pad_id=0, sampler=Sampler(), batch_size=2, max_cache_len=16,
-                          device=torch.device("cpu"), accelerated=False)
-    decoder.setup()
-    [short, long] = decoder.run(Batch((0, 1), ((5, 6), (7, 8, 9, 10, 11)), 4))
-    assert all(bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all())
-               for layer in decoder.cache.layers)
-    alone = StepDecoder(model, stops=frozenset(), pad_id=0, sampler=Sampler(), batch_size=1, max_cache_len=16,
-                        device=torch.device("cpu"), accelerated=False)
-    alone.setup()
-    assert alone.run(Batch((0,), ((5, 6),), 4))[0].tokens == short.tokens  # padding changed nothing

@@ -4,8 +4,8 @@ written in prompt-index order.
 Prompts are taken in windows of index order; within a window they are sorted by length and cut
 into batches of ``--batch-size`` (rows of similar length pad little). Request threads (threadgraph
 ``CompiledWorkerThread``s in one ``WorkerGroup``, sharing one copy of the target per device) take
-batches from one queue; the output holds a finished record back until every index before it is
-written, so only a window's records ever wait.
+batches from one queue (the step decoder takes the rows of a batch into the slots of rows that
+ended); the output holds a finished record back until every index before it is written.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import threadgraph
 
 from ..data.chat import THINK_CLOSE, THINK_OPEN
 from ..errors import InputError
-from .decode import DECODERS, Batch, Decoder, decoder_class
+from .decode import DECODERS, Batch, ContinuousDecoder, Decoder, GenerateDecoder
 from .io import Output, Prompt, read_prompts
 from .sampling import Sampler
+from .step import StepDecoder
 
 log = logging.getLogger("dflash")
 
@@ -110,8 +111,8 @@ class Progress:
 
 
 class RequestWorker(threadgraph.CompiledWorkerThread):
-    """One request thread: takes batches from ``work`` until it is empty, decodes each with its own
-    decoder over the shared target of its device and hands the records to the output."""
+    """One request thread: its own decoder, over the shared target of its device, takes batches from
+    ``work`` until it is empty; the thread hands each finished row's record to the output."""
 
     def __init__(self, index: int, device: str, *, decoder: Decoder, tokenizer: Any, prompts: list[Prompt],
                  ids: dict[int, list[int]], work: "queue.Queue[Batch]", output: Output, reasoning: str,
@@ -120,7 +121,7 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
         self.decoder, self.tokenizer, self.prompts, self.ids, self.work = decoder, tokenizer, prompts, ids, work
         self.output, self.reasoning, self.progress = output, reasoning, progress
         self.generated = self.written = self.truncated = 0
-        self.batches: list[tuple[float, float, int]] = []  # (began, ended, tokens) of each batch
+        self.rounds: list[tuple[float, float, int]] = []  # (began, ended, tokens) of each decoder call
 
     def setup(self) -> None:
         self.decoder.setup()
@@ -129,24 +130,31 @@ class RequestWorker(threadgraph.CompiledWorkerThread):
         self.decoder.close()
 
     def step(self) -> None:
-        try:
-            batch = self.work.get_nowait()
-        except queue.Empty:
+        began = time.perf_counter()
+        advanced = self.decoder.advance(self._take)
+        if advanced is None:
             self.stop()
             return
-        began = time.perf_counter()
-        batch = Batch(batch.rows, tuple(tuple(self.ids[i]) for i in batch.rows), batch.max_new)
-        results = self.decoder.run(batch)
-        tokens = sum(len(r.tokens) for r in results)
-        self.batches.append((began, time.perf_counter(), tokens))
-        for index, result in zip(batch.rows, results):
+        self.rounds.append((began, time.perf_counter(), advanced.tokens))
+        for index, result in advanced.finished:
             text = response_text(self.tokenizer, result.tokens, self.reasoning)
             self.output.put(self.prompts[index].record(text, len(result.tokens), truncated=not result.stopped))
             self.truncated += not result.stopped
-        self.generated += tokens
-        self.written += len(batch.rows)
+        self.generated += advanced.tokens
+        self.written += len(advanced.finished)
         if self.progress is not None:
-            self.progress.add(len(batch.rows), tokens)
+            self.progress.add(len(advanced.finished), advanced.tokens)
+
+    def _take(self) -> Optional[Batch]:
+        try:
+            batch = self.work.get_nowait()
+        except queue.Empty:
+            return None
+        return Batch(batch.rows, tuple(tuple(self.ids[i]) for i in batch.rows), batch.max_new)
+
+
+def decoder_class(name: str) -> type[Decoder]:
+    return {"generate": GenerateDecoder, "step": StepDecoder, "continuous": ContinuousDecoder}[name]
 
 
 def resolve_decode(decode: str) -> str:
@@ -160,7 +168,8 @@ def resolve_decode(decode: str) -> str:
 def regenerate(target: str, data: str, out: str, *, threads: int = 4, devices: Optional[list[str]] = None,
                progress: bool = True, **settings: Any) -> dict:
     """Generate the missing records of ``out``; returns counts (done before, generated now, skipped,
-    truncated, total) and timings (startup: until every thread's first batch ended; steady tokens/s after)."""
+    truncated, total) and timings (startup: until every thread's first decoder call ended; steady tokens/s
+    after)."""
     began = time.perf_counter()
     config = Settings(**settings)
     prompts = read_prompts(data)
@@ -200,7 +209,9 @@ def _run(target: str, prompts: list[Prompt], output: Output, config: Settings, t
         return counts
     lengths = {i: len(ids[i]) for i in pending}
     counts["prompt_tokens"] = sum(lengths.values())
-    max_cache_len = min(max(lengths.values()) + config.max_new_tokens, positions)
+    longest = max(lengths.values()) + config.max_new_tokens
+    # generate's cache slots are positions; the step decoder's rows hold a left-padded prompt and its limit
+    max_cache_len = longest if decode == "step" else min(longest, positions)
     work: "queue.Queue[Batch]" = queue.Queue()
     for batch in batches(pending, lengths, config.batch_size, config.batch_size * threads * WINDOW_BATCHES,
                          positions, config.max_new_tokens):
@@ -234,13 +245,14 @@ def _run(target: str, prompts: list[Prompt], output: Output, config: Settings, t
 
 
 def _timings(workers: list[RequestWorker], began: float) -> dict:
-    """Startup: from the call until the last thread's first batch ended (load, compile, capture and one
-    batch each); steady: the tokens of the batches begun after that, over the time until the last one ended."""
-    firsts = [w.batches[0][1] for w in workers if w.batches]
+    """Startup: from the call until the last thread's first decoder call ended (load, compile, capture and
+    one batch, or the step decoder's first tokens, each); steady: the tokens of the calls begun after that,
+    over the time until the last one ended."""
+    firsts = [w.rounds[0][1] for w in workers if w.rounds]
     if not firsts:
         return {"startup_s": None, "steady_tokens": 0, "steady_s": 0.0, "steady_tokens_per_s": None}
     startup_end = max(firsts)
-    steady = [b for w in workers for b in w.batches if b[0] >= startup_end]
+    steady = [b for w in workers for b in w.rounds if b[0] >= startup_end]
     tokens = sum(n for _, _, n in steady)
     span = max((end for _, end, _ in steady), default=startup_end) - startup_end
     return {"startup_s": startup_end - began, "steady_tokens": tokens, "steady_s": span,
