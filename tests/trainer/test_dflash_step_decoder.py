@@ -87,3 +87,19 @@ def test_a_padded_prefill_leaves_no_nan_in_the_cache(model):
     out = _decode_all(decoder, [Batch((0, 1), ((5, 6), (7, 8, 9, 10, 11)), 4)])
     assert all(bool(torch.isfinite(t).all()) for t in [*decoder.cache.keys.values(), *decoder.cache.values.values()])
     assert _decode_all(_decoder(model), [Batch((0,), ((5, 6),), 4)])[0] == out[0]  # padding changed nothing
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_captured_step_refills_rows_as_the_uncaptured_one_does(model):
+    """The captured step (one graph replay per token, with each row's write slot an input of the graph)
+    against the same decoder run eagerly on the same GPU, rows refilled mid-batch in both."""
+    model = model.to("cuda")
+    prompts = _prompts(24)
+    results = []
+    for accelerated in (False, True):
+        decoder = StepDecoder(model, stops=STOPS, pad_id=0, sampler=Sampler(), batch_size=4, max_cache_len=48,
+                              device=torch.device("cuda"), accelerated=accelerated)
+        decoder.setup()
+        results.append(_decode_all(decoder, _batches(prompts, 4, limit=40)))
+        assert decoder.refilled > 0
+    assert results[0] == results[1]
