@@ -63,7 +63,19 @@ def test_rows_refilled_mid_batch_give_each_prompt_its_batch_1_response(model, sa
     assert batched.refilled > 0  # some rows took a prompt while others were mid-response
 
 
-def test_the_step_decoder_answers_as_transformers_generate_does(model):
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_step_decoder_answers_as_transformers_generate_does(model, family):
+    """Its masks reach the attention of model families whose forward builds masks its own way."""
+    model = _llama() if family == "llama" else model
     prompts = _prompts(8)
     reference = _decode_all(_decoder(model, cls=GenerateDecoder), _batches(prompts, 1))
     assert _decode_all(_decoder(model, batch_size=3), _batches(prompts, 3)) == reference
@@ -78,6 +90,17 @@ def test_limits_of_one_token_and_of_the_whole_cache_are_kept(model):
     assert all(len(r.tokens) <= 30 and (r.stopped or len(r.tokens) == 30) for r in full.values())
     with pytest.raises(RuntimeError, match="do not fit the cache's 20 slots"):
         _decode_all(_decoder(model, batch_size=2, max_cache_len=20), _batches(prompts, 2, limit=30))
+
+
+def test_a_target_with_sliding_window_layers_is_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1)
+    assert "sliding_attention" in config.layer_types
+    with pytest.raises(ValueError, match="has sliding-window layers: use --decode generate"):
+        _decoder(Qwen3ForCausalLM(config).eval())
 
 
 def test_a_padded_prefill_leaves_no_nan_in_the_cache(model):

@@ -72,7 +72,10 @@ class StepDecoder(Decoder):
 
     def setup(self) -> None:
         text = self.model.config.get_text_config(decoder=True)
-        if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        kinds = getattr(text, "layer_types", None)
+        windowed = (any(kind != "full_attention" for kind in kinds) if kinds is not None
+                    else getattr(text, "sliding_window", None) is not None)
+        if windowed:
             raise ValueError("--decode step takes targets whose layers all attend to the full context; this one "
                              "has sliding-window layers: use --decode generate")
         use_grouped_attention(self.model)  # reads the cache once a step (attention.py)
@@ -95,12 +98,13 @@ class StepDecoder(Decoder):
 
     def _step(self, last: torch.Tensor, first: torch.Tensor, write: torch.Tensor, base: torch.Tensor,
               prompt: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        # The mask is given whole (4-D boolean, by layer type), so transformers builds none and nothing
-        # in the step reads a value back to the host: the step captures as one graph.
+        # The mask is given whole (4-D boolean), so transformers builds none and nothing in the step
+        # reads a value back to the host: the step captures as one graph. A row with no prompt yet
+        # (base and steps 0) feeds position 0.
         self.cache.write = write
         seen = (self.slots >= first[:, None]) & (self.slots <= write[:, None])
-        out = self.model(input_ids=last[:, None], attention_mask={"full_attention": seen[:, None, None, :]},
-                         position_ids=(base + steps - 1)[:, None], use_cache=True, logits_to_keep=1,
+        out = self.model(input_ids=last[:, None], attention_mask=seen[:, None, None, :],
+                         position_ids=(base + steps - 1).clamp(min=0)[:, None], use_cache=True, logits_to_keep=1,
                          **{self.cache_keyword: self.cache})
         return self.sampler(out.logits[:, -1], prompt, steps)
 
@@ -135,6 +139,8 @@ class StepDecoder(Decoder):
         tokens, prompt_mask, indices = self._left_padded(Batch(tuple(i for i, _, _ in group),
                                                                tuple(ids for _, ids, _ in group), 0), len(group))
         width = tokens.shape[1]
+        # A row of limit L writes slots width .. width + L - 2 while it runs, and keeps rewriting
+        # width + L - 1 once it ended until it is refilled: width + L slots, exactly.
         if width + max(limit for _, _, limit in group) > self.max_cache_len:
             raise RuntimeError(f"step decoder: a prompt of {width} tokens and its token limit do not fit the "
                                f"cache's {self.max_cache_len} slots a row (sized by the longest prompt and the limit)")
@@ -148,7 +154,7 @@ class StepDecoder(Decoder):
         where = torch.tensor(rows, device=self.device)
         self.cache.filling = where
         try:
-            logits = self.model(input_ids=tokens, attention_mask={"full_attention": mask[:, None]},
+            logits = self.model(input_ids=tokens, attention_mask=mask[:, None],
                                 position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True,
                                 logits_to_keep=1, **{self.cache_keyword: self.cache}).logits[:, -1]
         finally:
