@@ -12,6 +12,7 @@ written, so a CI run never fails by chance; elsewhere each run draws new example
 ``--hypothesis-profile ci`` gives a CI run's examples anywhere."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -77,3 +78,12 @@ def tiny_assets(isolated_caches):
     from examples.dflash_trainer.assets.assets import BuildSpec, default_assets
 
     return default_assets(isolated_caches / CACHE_VARIABLES["THREADGRAPH_CACHE"], spec=BuildSpec.tiny())
+
+
+@pytest.fixture
+def sigint_raises_keyboard_interrupt():
+    """Python's own Ctrl-C handler for the test: a shell without job control starts background
+    commands (a CI runner's, say) with SIGINT ignored, and Python then installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -144,17 +144,6 @@ def test_a_group_queue_passes_items_and_honours_timeouts():
         q.get()
 
 
-@pytest.fixture
-def sigint_raises_keyboard_interrupt():
-    """Python's own Ctrl-C handler for the test: a shell without job control starts background
-    commands (a CI runner's, say) with SIGINT ignored, and Python then installs none."""
-    import signal
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_serial_setups_skips_the_setups_still_waiting(sigint_raises_keyboard_interrupt):
     import signal

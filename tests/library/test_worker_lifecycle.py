@@ -292,7 +292,7 @@ def test_a_with_block_stops_workers_without_max_steps_on_exit():
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_in_a_with_block_stops_every_worker_and_propagates():
+def test_ctrl_c_in_a_with_block_stops_every_worker_and_propagates(sigint_raises_keyboard_interrupt):
     stepping = threading.Event()
     workers = [Stepper(f"w{i}", lambda w: (stepping.set(), w.model(torch.ones(2, 4)))) for i in range(3)]
     with pytest.raises(KeyboardInterrupt):

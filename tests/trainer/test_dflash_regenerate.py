@@ -336,7 +336,8 @@ def test_a_second_ctrl_c_ends_the_run_at_once_with_exit_130(tiny_assets, tmp_pat
             "--batch-size", "2", "--max-new-tokens", "400", "--devices", "cpu", "--no-progress"]  # batches of seconds
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     proc = subprocess.Popen([sys.executable, "-m", "examples.dflash_trainer.regenerate", *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not one inherited ignored
     lines: "queue.Queue[str]" = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
     reader.start()
