@@ -11,8 +11,9 @@ with an empty Inductor cache: ``generate``, ``step`` and ``continuous`` are the 
 its startup (load, compile, capture and every thread's first decoder call: a batch, or the step
 decoder's first tokens) apart from its steady state (the calls begun after that), generated
 tokens/s and prompts/s there, and the memory-bandwidth bound of its decoding: rows in flight /
-(weight bytes + the KV-cache bytes of the rows' mean context, read once a step) x the bandwidth a device-to-device copy reaches on the machine. A figure
-above its bound is flagged as a measurement error. The target is a random-init Qwen3 of a
+(weight bytes + the KV-cache bytes of the rows' mean context, read once a step) x the bandwidth
+a device-to-device copy reaches on the machine. A figure above its bound is flagged as a
+measurement error. The target is a random-init Qwen3 of a
 published shape with the real 151,936-token vocabulary (assets/shapes.py): its responses are noise
 and mostly run to ``--max-new-tokens``, which is what a throughput figure wants (and so the step
 decoder's refill of rows that ended early plays no part here).
